@@ -1,0 +1,246 @@
+"""MNIST-style data: find (or download) the four IDX files, hold each split in memory, batch it.
+
+Each split lives once as a uint8 tensor on the training device. A batch is gathered by index and
+normalised there, so the loop runs no per-sample Python. The sample order is the permutation
+`DistributedSampler` draws, cut into global batches that are split over the ranks
+(`GlobalBatchSampler`), so it depends on `seed` and the epoch only, never on `parallel=`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from src.distributed import Process
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# The four files of an MNIST-style dataset (each may also be gzipped, with a .gz suffix).
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+IMAGE_SHAPE = (28, 28)
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read one IDX file of unsigned bytes, gzipped or not, checking its header and its length."""
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as err:
+        raise UserError(
+            f"Could not read {path}: it is truncated or not a valid gzip file ({err}). "
+            "Replace it with a good copy, or delete it to download it again."
+        ) from None
+    # Header: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions,
+    # then each dimension as a big-endian uint32.
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] not in (1, 3):
+        raise UserError(
+            f"{path} is not an IDX file of images or labels "
+            f"(magic number {raw[:4].hex() or 'missing'}). Replace it with the original file."
+        )
+    header = 4 + 4 * raw[3]
+    shape = struct.unpack(f">{raw[3]}I", raw[4:header]) if len(raw) >= header else (0,)
+    if len(raw) != header + math.prod(shape):
+        raise UserError(
+            f"{path} is truncated or corrupt: its header announces shape {shape}, which needs "
+            f"{header + math.prod(shape)} bytes, but it holds {len(raw)}. "
+            "Replace it with a good copy."
+        )
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
+
+
+def find_file(folder: Path, name: str) -> Path | None:
+    """`folder/name` or `folder/name.gz`, whichever exists (the uncompressed one first)."""
+    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+
+
+def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
+    """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
+    for folder in (root, root / torchvision_class / "raw"):
+        if all(find_file(folder, name) for names in FILES.values() for name in names):
+            return folder
+    return None
+
+
+def download(root: Path, torchvision_class: str) -> None:
+    """Download the four files with torchvision into `root/<Class>/raw`."""
+    import torchvision  # slow to import, and only needed here
+
+    getattr(torchvision.datasets, torchvision_class)(str(root), train=True, download=True)
+
+
+class GlobalBatchSampler:
+    """This rank's share of each global batch, in the order `DistributedSampler` draws.
+
+    Every rank draws the same permutation (DistributedSampler's, seeded by `seed + epoch`), cuts it
+    into global batches of `batch_size` and takes every `world_size`-th sample of each batch,
+    starting at its rank. When the counts divide, that is exactly DistributedSampler's strided
+    split. Unlike DistributedSampler, the last, partial batch is split as it is instead of being
+    padded with repeated samples, so an epoch is the same for every world size.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
+        self.order = DistributedSampler(
+            range(num_samples), num_replicas=1, rank=0, shuffle=True, seed=seed
+        )
+        self.batches = BatchSampler(self.order, batch_size, drop_last=False)
+        self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            yield batch[self.rank :: self.world_size]
+
+
+class MNISTData:
+    """An MNIST-style dataset (MNIST, Fashion-MNIST, ...) in memory, batched for this process.
+
+    `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
+    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th test image, so
+    every image is counted exactly once whatever the world size.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        torchvision_class: str,
+        download: bool,
+        mean: float,
+        std: float,
+        num_classes: int,
+        batch_size: int,
+        test_batch_size: int,
+        subset: int | None,
+        seed: int,
+    ):
+        self.root = Path(root)
+        self.torchvision_class = torchvision_class
+        self.download = download
+        self.mean, self.std = mean, std
+        self.num_classes = num_classes
+        self.batch_size = batch_size
+        self.test_batch_size = test_batch_size
+        self.subset = subset
+        self.seed = seed
+
+    def setup(self, proc: Process) -> None:
+        """Check the batch size, find or download the files, load both splits onto the device."""
+        if self.batch_size < 1 or self.batch_size % proc.world_size:
+            raise UserError(
+                f"data.batch_size={self.batch_size} does not divide over {proc.world_size} "
+                f"processes. Use a multiple of {proc.world_size}: it is the global batch, "
+                "and each rank takes an equal share."
+            )
+        # One process per machine looks for the files and downloads them if needed while the
+        # others wait; gathering its verdict is the barrier, and every rank stops on an error.
+        error = None
+        if proc.is_local_main:
+            try:
+                self._locate_or_download()
+            except UserError as err:
+                error = str(err)
+        errors = [e for e in proc.all_gather_object(error) if e]
+        if errors:
+            raise UserError(errors[0])
+
+        folder = find_idx_folder(self.root, self.torchvision_class)
+        self.train = self._load(folder, "train", proc.device)
+        self.test = self._load(folder, "test", proc.device)
+        if self.subset is not None:
+            self.train = (self.train[0][: self.subset], self.train[1][: self.subset])
+        self.device = proc.device
+        self.rank, self.world_size = proc.rank, proc.world_size
+        self.sampler = GlobalBatchSampler(
+            len(self.train[1]), self.batch_size, proc.rank, proc.world_size, self.seed
+        )
+        log.info(
+            "Data: %d training and %d test images from %s",
+            len(self.train[1]),
+            len(self.test[1]),
+            folder,
+        )
+
+    def _locate_or_download(self) -> None:
+        if find_idx_folder(self.root, self.torchvision_class):
+            return
+        where = f"{self.root} or {self.root / self.torchvision_class / 'raw'}"
+        reason = "data.download=false"
+        if self.download:
+            log.info(
+                "%s not found in %s: downloading it with torchvision", self.torchvision_class, where
+            )
+            try:
+                download(self.root, self.torchvision_class)
+            except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
+                reason = f"the download failed: {str(err).strip().splitlines()[0]}"
+            if find_idx_folder(self.root, self.torchvision_class):
+                return
+        raise UserError(
+            f"{self.torchvision_class} IDX files not found in {where}, and {reason}. "
+            "Put the four files (train/t10k images and labels, gzipped or not) there, point "
+            "data.root at a folder that holds them, or train on Fashion-MNIST offline: "
+            "apt-get install dataset-fashion-mnist, then "
+            "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
+        )
+
+    def _load(
+        self, folder: Path, split: str, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        image_path, label_path = (find_file(folder, name) for name in FILES[split])
+        images, labels = read_idx(image_path), read_idx(label_path)
+        if images.dim() != 3 or tuple(images.shape[1:]) != IMAGE_SHAPE:
+            raise UserError(
+                f"{image_path} holds images of shape {tuple(images.shape)}, not N×28×28."
+            )
+        if labels.dim() != 1 or len(labels) != len(images):
+            raise UserError(
+                f"{label_path} holds {tuple(labels.shape)} labels for {len(images)} images in "
+                f"{image_path}: the two files do not belong together."
+            )
+        if len(labels) and labels.max() >= self.num_classes:
+            raise UserError(
+                f"{label_path} has label {labels.max().item()}, "
+                f"but data.num_classes={self.num_classes}."
+            )
+        # Channel dimension first, as the models expect: N×1×28×28.
+        return images.unsqueeze(1).to(device), labels.long().to(device)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.sampler)
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
+        return images.float().div_(255).sub_(self.mean).div_(self.std)
+
+    def train_batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's (images, labels) of each global batch, with the global batch's size."""
+        self.sampler.set_epoch(epoch)
+        num_samples = len(self.train[1])
+        for step, indices in enumerate(self.sampler):
+            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            global_size = min(self.batch_size, num_samples - step * self.batch_size)
+            yield self.normalise(self.train[0][index]), self.train[1][index], global_size
+
+    def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's test images (every world_size-th one), in batches of test_batch_size."""
+        index = torch.arange(self.rank, len(self.test[1]), self.world_size, device=self.device)
+        for chunk in index.split(self.test_batch_size):
+            yield self.normalise(self.test[0][chunk]), self.test[1][chunk]

@@ -1,0 +1,255 @@
+"""Process setup: one device, DataParallel over GPUs, or one rank of a torchrun DDP group.
+
+Rank handling lives here and nowhere else. The rest of the code asks the `Process` it is given:
+`proc.is_main` before any side effect, `proc.device` for tensors, and its collectives (which do
+nothing in a single process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from torch import nn
+
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
+_legacy_launcher = False
+
+
+@dataclass(frozen=True)
+class Process:
+    """Where this process stands: its parallel mode, its rank among the DDP ranks, its device."""
+
+    mode: str = "none"  # none | dp | ddp
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that logs, writes files and talks to wandb."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """The one process per machine that prepares machine-local things (the dataset files)."""
+        return self.local_rank == 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order; also a barrier."""
+        if self.mode != "ddp":
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        if self.mode != "ddp":
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (in float64, so counts stay exact)."""
+        if self.mode != "ddp":
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """The command line to hand Hydra, fixed up for the launcher. Runs before Hydra parses it.
+
+    - The legacy `python -m torch.distributed.launch` appends `--local-rank=N`, which Hydra would
+      reject: take it out (its value is also in the LOCAL_RANK variable).
+    - Ranks other than 0 write nothing: no `.hydra/` folder and no log file, and no run folder of
+      their own (each rank resolving `${now:...}` itself would make one per rank when ranks start in
+      different seconds). They learn rank 0's run folder in `shared_run_dir`.
+    """
+    global _legacy_launcher
+    args = []
+    for arg in argv:
+        match = LEGACY_LOCAL_RANK.fullmatch(arg)
+        if match:
+            _legacy_launcher = True
+            os.environ.setdefault("LOCAL_RANK", match.group(1))
+        else:
+            args.append(arg)
+    if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.exit(
+            "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. "
+            "Run the sweep in one process, with one torchrun command per job."
+        )
+    if int(os.environ.get("RANK", 0)) > 0:
+        args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+    return args
+
+
+def setup(cfg: DictConfig) -> Process:
+    """Pick the device for `cfg.parallel.mode`; under ddp, join the process group."""
+    mode = cfg.parallel.mode
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if mode != "ddp":
+        if world_size > 1:
+            raise UserError(
+                f"torchrun started {world_size} processes, but parallel={mode} trains in one. "
+                f"Add parallel=ddp, or run python train.py parallel={mode} without torchrun."
+            )
+        return Process(mode=mode, device=_single_device(cfg))
+
+    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    needed = TORCHRUN_VARIABLES if cfg.parallel.init_method == "env://" else TORCHRUN_VARIABLES[:3]
+    missing = [name for name in needed if name not in os.environ]
+    if not present:
+        raise UserError(
+            "parallel=ddp runs one process per device, started by torchrun: "
+            "torchrun --nproc_per_node=2 train.py parallel=ddp"
+        )
+    if missing:
+        raise UserError(
+            f"parallel=ddp found a partial distributed environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing. Launch with torchrun, which sets them all."
+        )
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device = pick_device(cfg.device, allow_mps=False)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError(
+            f"parallel.backend=nccl needs CUDA GPUs, but this run is on {device}. "
+            "Use parallel.backend=gloo (or auto) on CPUs."
+        )
+    dist.init_process_group(
+        backend,
+        init_method=cfg.parallel.init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=cfg.parallel.timeout),
+    )
+    proc = Process("ddp", rank, local_rank, world_size, device)
+    if not proc.is_main:
+        _quiet_logging(rank)
+    if _legacy_launcher and proc.is_main:
+        log.warning(
+            "torch.distributed.launch is deprecated; launch with torchrun instead: "
+            "torchrun --nproc_per_node=N train.py parallel=ddp"
+        )
+    log.info(
+        "DDP: %d processes, backend %s, this is rank %d on %s", world_size, backend, rank, device
+    )
+    return proc
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
+    """`auto` is the first of cuda, mps, cpu that this machine has; anything else is checked."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if allow_mps and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise UserError(
+            f"device={requested} is not a device. Use auto, cpu, cuda, cuda:N or mps."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"device={requested}, but no CUDA GPU is visible. Use device=auto or device=cpu."
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(
+            f"device={requested}, but MPS is not available. Use device=auto or device=cpu."
+        )
+    return device
+
+
+def _single_device(cfg: DictConfig) -> torch.device:
+    device = pick_device(cfg.device)
+    if cfg.parallel.mode != "dp":
+        return device
+    if device.type != "cuda":
+        log.warning(
+            "parallel=dp needs CUDA GPUs; training on the single device %s instead.", device
+        )
+        return device
+    ids = cfg.parallel.device_ids or list(range(torch.cuda.device_count()))
+    absent = [i for i in ids if not 0 <= i < torch.cuda.device_count()]
+    if absent:
+        raise UserError(
+            f"parallel.device_ids={list(ids)} names GPUs {absent} that do not exist: "
+            f"{torch.cuda.device_count()} are visible (0 to {torch.cuda.device_count() - 1})."
+        )
+    return torch.device("cuda", ids[0])  # DataParallel keeps the model on its first GPU
+
+
+def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:
+    """The model as the parallel mode trains it: plain, DataParallel or DistributedDataParallel."""
+    parallel = cfg.parallel
+    if proc.mode == "ddp":
+        return nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[proc.device.index] if proc.device.type == "cuda" else None,
+            find_unused_parameters=parallel.find_unused_parameters,
+            bucket_cap_mb=parallel.bucket_cap_mb,
+            gradient_as_bucket_view=parallel.gradient_as_bucket_view,
+            static_graph=parallel.static_graph,
+        )
+    if proc.mode == "dp" and proc.device.type == "cuda":
+        return nn.DataParallel(
+            model, device_ids=parallel.device_ids, output_device=parallel.output_device
+        )
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a DataParallel or DDP wrapper."""
+    return (
+        model.module
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+        else model
+    )
+
+
+def shared_run_dir(proc: Process) -> Path:
+    """The run folder Hydra made for rank 0, which every rank uses (see `hydra_argv`)."""
+    return Path(proc.broadcast_object(HydraConfig.get().runtime.output_dir))
+
+
+def _quiet_logging(rank: int) -> None:
+    """Ranks other than 0 print warnings and errors only, prefixed with their rank."""
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(
+            logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+        )

@@ -1,0 +1,11 @@
+"""The one exception for mistakes a user can fix: bad config, missing data, wrong launcher."""
+
+from hydra.errors import CompactHydraException
+
+
+class UserError(CompactHydraException):
+    """A mistake the user can fix. Hydra prints its message alone, without a traceback.
+
+    Raise it where the mistake enters, with one or two sentences that say what to do.
+    Real bugs keep raising ordinary exceptions, with their tracebacks.
+    """

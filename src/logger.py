@@ -1,0 +1,143 @@
+"""Where metrics go: `metrics.jsonl` in the run folder always, and wandb when `logger=wandb`.
+
+Only the main process logs. A tracker failure never stops training: one warning, then
+`metrics.jsonl` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from src.distributed import Process
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Appends one JSON object per `log` call to `metrics.jsonl` and hands it to the tracker."""
+
+    def __init__(self, run_dir: Path, tracker: Any | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("w")
+        self.tracker = tracker
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log(metrics)
+
+    def close(self, failed: bool = False) -> None:
+        self.file.close()
+        if self.tracker is not None:
+            self.tracker.finish(exit_code=1 if failed else 0)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: Any) -> None:
+        self.close(failed=exc_type is not None)
+
+
+class WandbTracker:
+    """One wandb run, with the resolved config, its files inside the run folder."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        project: str,
+        entity: str | None,
+        name: str | None,
+        group: str | None,
+        tags: list[str],
+        mode: str | None,
+        init_timeout: float,
+    ):
+        import wandb  # imported only when wandb is used
+
+        self.run = None
+        mode = wandb_mode(mode)
+        try:
+            self.run = wandb.init(
+                project=project,
+                entity=entity,
+                name=name,
+                group=group,
+                tags=list(tags),
+                config=config,
+                dir=run_dir,
+                mode=mode,
+                settings=wandb.Settings(init_timeout=init_timeout),
+            )
+        except Exception as err:  # noqa: BLE001 - wandb must never stop training
+            log.warning("wandb did not start (%s); logging to metrics.jsonl only.", err)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        step = metrics.get("step")
+        try:
+            self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        except Exception as err:  # noqa: BLE001
+            log.warning("wandb.log failed (%s); logging to metrics.jsonl only from now on.", err)
+            self.finish(exit_code=1)
+
+    def finish(self, exit_code: int = 0) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.finish(exit_code=exit_code)
+        except Exception as err:  # noqa: BLE001
+            log.warning("wandb.finish failed: %s", err)
+
+
+def wandb_mode(mode: str | None) -> str:
+    """`logger.mode` if set, else WANDB_MODE, else online with an API key and offline without.
+
+    Choosing offline when no key is configured is what keeps wandb from prompting for one.
+    """
+    if mode:
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if _has_api_key() else "offline"
+
+
+def _has_api_key() -> bool:
+    """An API key in WANDB_API_KEY or in the netrc file, where `wandb login` saves it."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def open_logger(
+    cfg: DictConfig, run_dir: Path, proc: Process
+) -> AbstractContextManager[MetricsLogger | None]:
+    """The main process's logger, with the tracker `cfg.logger` names; None on other ranks.
+
+    Used as a context manager, so the tracker is finished on every exit, errors included.
+    """
+    if not proc.is_main:
+        return nullcontext()
+    tracker = None
+    if cfg.logger._target_ is not None:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        tracker = instantiate(cfg.logger, run_dir=run_dir, config=config)
+    return MetricsLogger(run_dir, tracker)

@@ -1,0 +1,139 @@
+"""The training loop and the evaluation: the same code for every parallel mode."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+from src.data import MNISTData
+from src.distributed import Process, unwrap
+from src.logger import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and PyTorch's default random generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_scheduler(
+    cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The scheduler of `cfg.scheduler`. Its `interval` is for the loop, not the constructor, and a
+    `total_steps: null` is filled with the run's number of optimizer steps."""
+    spec = OmegaConf.to_container(cfg.scheduler, resolve=True)
+    del spec["interval"]
+    if "total_steps" in spec and spec["total_steps"] is None:
+        spec["total_steps"] = total_steps
+    return instantiate(spec, optimizer)
+
+
+def fit(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data: MNISTData,
+    proc: Process,
+    cfg: DictConfig,
+    logger: MetricsLogger | None,
+) -> dict[str, float]:
+    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps), evaluating after each.
+
+    Returns the last evaluation's metrics. `logger` is None on every process but the main one.
+    """
+    trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
+    step, metrics = 0, {}
+    for epoch in range(1, trainer.epochs + 1):
+        model.train()
+        bar = tqdm(
+            total=data.steps_per_epoch,
+            desc=f"epoch {epoch}",
+            leave=False,
+            disable=not (proc.is_main and sys.stdout.isatty()),
+        )
+        for images, labels, global_size in data.train_batches(epoch):
+            optimizer.zero_grad(set_to_none=True)
+            loss = train_loss(model(images), labels, global_size, proc.world_size)
+            loss.backward()
+            optimizer.step()
+            if step_interval:
+                scheduler.step()
+            step += 1
+            bar.update()
+            if step % trainer.log_every_n_steps == 0:
+                # The mean over the global batch: the ranks' scaled losses average to it.
+                (loss_sum,) = proc.sum_over_ranks([loss.item()])
+                if logger:
+                    lr = optimizer.param_groups[0]["lr"]
+                    logger.log(
+                        {
+                            "step": step,
+                            "epoch": epoch,
+                            "train/loss": loss_sum / proc.world_size,
+                            "lr": lr,
+                        }
+                    )
+            if step == trainer.max_steps:
+                break
+        bar.close()
+        if not step_interval:
+            scheduler.step()
+
+        metrics = evaluate(unwrap(model), data, proc)
+        log.info(
+            "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
+            epoch,
+            step,
+            metrics["test/loss"],
+            metrics["test/acc"],
+        )
+        if logger:
+            logger.log({"step": step, "epoch": epoch, **metrics})
+        if step == trainer.max_steps:
+            log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
+            break
+    return metrics
+
+
+def train_loss(
+    logits: torch.Tensor, labels: torch.Tensor, global_size: int, world_size: int
+) -> torch.Tensor:
+    """Cross-entropy scaled so that DDP's gradient equals the mean over the whole global batch.
+
+    Each rank sums its samples' losses and multiplies by world_size / global_size; DDP divides the
+    sum of the ranks' gradients by world_size, which leaves the gradient of the mean loss over the
+    global batch. With equal shares this is each rank's plain mean, and it stays exact when the
+    last batch of an epoch splits unevenly. In one process it is the plain mean.
+    """
+    return F.cross_entropy(logits, labels, reduction="sum") * (world_size / global_size)
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, data: MNISTData, proc: Process) -> dict[str, Any]:
+    """Test loss and accuracy over the whole test split, each image counted once across ranks."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for images, labels in data.test_batches():
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
+        correct += (logits.argmax(dim=1) == labels).sum().item()
+        count += len(labels)
+    loss_sum, correct, count = proc.sum_over_ranks([loss_sum, correct, count])
+    return {
+        "test/loss": loss_sum / count,
+        "test/acc": correct / count,
+        "test/correct": int(correct),
+    }
