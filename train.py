@@ -30,20 +30,18 @@ def main(cfg: DictConfig) -> float:
     try:
         run_dir = distributed.shared_run_dir(proc)
         log.info("Run folder: %s", run_dir)
+        with open_logger(cfg, run_dir, proc) as logger:  # finishes wandb on every exit
+            data = instantiate(cfg.data)
+            data.setup(proc)
 
-        data = instantiate(cfg.data)
-        data.setup(proc)
+            seed_everything(cfg.seed)  # the same initial weights on every rank
+            model = distributed.wrap(instantiate(cfg.model).to(proc.device), cfg, proc)
+            optimizer = instantiate(cfg.optimizer, model.parameters())
+            total_steps = data.steps_per_epoch * cfg.trainer.epochs
+            total_steps = min(total_steps, cfg.trainer.max_steps or total_steps)
+            scheduler = build_scheduler(cfg, optimizer, total_steps)
+            seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
 
-        seed_everything(cfg.seed)  # the same initial weights on every rank
-        model = distributed.wrap(instantiate(cfg.model).to(proc.device), cfg, proc)
-        optimizer = instantiate(cfg.optimizer, model.parameters())
-        total_steps = data.steps_per_epoch * cfg.trainer.epochs
-        scheduler = build_scheduler(
-            cfg, optimizer, min(total_steps, cfg.trainer.max_steps or total_steps)
-        )
-        seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-
-        with open_logger(cfg, run_dir, proc) as logger:
             metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger)
     finally:
         distributed.teardown()

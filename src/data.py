@@ -189,7 +189,10 @@ class MNISTData:
             try:
                 download(self.root, self.torchvision_class)
             except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
-                reason = f"the download failed: {str(err).strip().splitlines()[0]}"
+                lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [
+                    repr(err)
+                ]
+                reason = f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
             if find_idx_folder(self.root, self.torchvision_class):
                 return
         raise UserError(

@@ -55,7 +55,7 @@ class WandbTracker:
     def __init__(
         self,
         run_dir: Path,
-        config: dict[str, Any],
+        resolved_config: dict[str, Any],
         project: str,
         entity: str | None,
         name: str | None,
@@ -75,7 +75,7 @@ class WandbTracker:
                 name=name,
                 group=group,
                 tags=list(tags),
-                config=config,
+                config=resolved_config,
                 dir=run_dir,
                 mode=mode,
                 settings=wandb.Settings(init_timeout=init_timeout),
@@ -139,5 +139,8 @@ def open_logger(
     tracker = None
     if cfg.logger._target_ is not None:
         config = OmegaConf.to_container(cfg, resolve=True)
-        tracker = instantiate(cfg.logger, run_dir=run_dir, config=config)
+        # Not recursive: the config's own _target_ entries are data for wandb, not objects to build.
+        tracker = instantiate(
+            cfg.logger, run_dir=run_dir, resolved_config=config, _recursive_=False, _convert_="all"
+        )
     return MetricsLogger(run_dir, tracker)

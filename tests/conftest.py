@@ -1,0 +1,116 @@
+"""Shared test helpers: tiny datasets in the real IDX format, and running train.py for real."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_SIZE, TEST_SIZE = 200, 100  # 200 = 3 global batches of 64 and a partial one of 8
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
+    """Write `array` (uint8) as an IDX file: magic 0x0000080N, each dimension, then the bytes."""
+    data = struct.pack(f">BBBB{array.ndim}I", 0, 0, 8, array.ndim, *array.shape) + array.tobytes()
+    path = path.with_name(path.name + ".gz") if gz else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def make_dataset(
+    folder: Path,
+    train_size: int = TRAIN_SIZE,
+    test_size: int = TEST_SIZE,
+    gz: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Four IDX files of learnable 28×28 images: a sparse stroke pattern per class, with noise."""
+    rng = np.random.default_rng(seed)
+    patterns = rng.random((10, 28, 28)) < 0.15
+    for prefix, size in (("train", train_size), ("t10k", test_size)):
+        labels = rng.integers(0, 10, size).astype(np.uint8)
+        kept = patterns[labels] & (rng.random((size, 28, 28)) < 0.8)
+        speckle = rng.random((size, 28, 28)) < 0.05
+        images = (kept | speckle).astype(np.uint8) * 255
+        write_idx(folder / f"{prefix}-images-idx3-ubyte", images, gz)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte", labels, gz)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("tiny-mnist"))
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    """The environment for a run: downloads fail at once (proxy on a closed port), no wandb key."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
+    closed = "http://127.0.0.1:9"
+    env.update(http_proxy=closed, https_proxy=closed, HTTP_PROXY=closed, HTTPS_PROXY=closed)
+    env.pop("no_proxy", None)
+    env.pop("NO_PROXY", None)
+    env.update(extra)
+    return env
+
+
+def run(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """Run a command line to its end and return what it printed (stdout and stderr)."""
+    return subprocess.run(
+        command, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def train(
+    overrides: list[str],
+    tmp_path: Path,
+    *,
+    nproc: int | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`python train.py` (or torchrun with nproc processes), run folders under tmp_path."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+    command = [
+        *launcher,
+        str(REPO / "train.py"),
+        *overrides,
+        f"paths.log_dir={tmp_path / 'outputs'}",
+    ]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return run(command, cwd=tmp_path, env=env)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    )
+    return result
+
+
+def run_dirs(tmp_path: Path) -> list[Path]:
+    """The run folders Hydra made under tmp_path/outputs (those holding a .hydra folder)."""
+    return sorted(p.parent for p in (tmp_path / "outputs").rglob(".hydra"))
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl split into training lines and evaluation lines."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if "train/loss" in m], [m for m in lines if "test/acc" in m]

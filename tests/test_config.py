@@ -1,0 +1,145 @@
+"""The config tree, composed with Hydra's compose API exactly as train.py composes it."""
+
+import re
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from src.training import build_scheduler
+
+CONF = REPO / "conf"
+GROUPS = {
+    group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    for group in ("model", "data", "optimizer", "scheduler", "parallel", "logger")
+}
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_every_group_has_its_options():
+    assert GROUPS == {
+        "model": ["cnn", "mlp"],
+        "data": ["fashion_mnist", "mnist"],
+        "optimizer": ["adadelta", "adam", "adamw", "sgd"],
+        "scheduler": ["cosine", "none", "onecycle", "step"],
+        "parallel": ["ddp", "dp", "none"],
+        "logger": ["none", "wandb"],
+    }
+
+
+@pytest.mark.parametrize("name", GROUPS["model"])
+def test_models_build_and_classify_a_batch(name):
+    cfg = compose_config(f"model={name}")
+    model = instantiate(cfg.model)
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_reference_architectures():
+    mlp = instantiate(compose_config("model=mlp").model)
+    assert [tuple(p.shape) for p in mlp.parameters()] == [(512, 784), (512,), (10, 512), (10,)]
+    cnn = instantiate(compose_config("model=cnn").model)
+    assert [tuple(p.shape) for p in cnn.parameters()] == [
+        (32, 1, 3, 3),
+        (32,),
+        (64, 32, 3, 3),
+        (64,),
+        (128, 9216),
+        (128,),
+        (10, 128),
+        (10,),
+    ]
+    assert [m.p for m in cnn if isinstance(m, torch.nn.Dropout)] == [0.25, 0.5]
+
+
+@pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
+@pytest.mark.parametrize("scheduler", GROUPS["scheduler"])
+def test_optimizers_and_schedulers_build_and_step(optimizer, scheduler):
+    cfg = compose_config(f"optimizer={optimizer}", f"scheduler={scheduler}")
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = instantiate(cfg.optimizer, params)
+    assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
+    sched = build_scheduler(cfg, opt, total_steps=10)
+    for _ in range(3):
+        params[0].sum().backward()
+        opt.step()
+        sched.step()
+    assert cfg.scheduler.interval in ("epoch", "step")
+
+
+@pytest.mark.parametrize("data", GROUPS["data"])
+def test_data_options(data):
+    cfg = compose_config(f"data={data}")
+    dataset = instantiate(cfg.data)
+    assert dataset.torchvision_class == {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}[data]
+    assert cfg.data.batch_size == 64 and cfg.data.subset is None
+    assert cfg.data.root.endswith("/data")
+
+
+@pytest.mark.parametrize("parallel", GROUPS["parallel"])
+def test_parallel_options(parallel):
+    cfg = compose_config(f"parallel={parallel}")
+    assert cfg.parallel.mode == parallel
+
+
+def test_logger_options():
+    assert compose_config("logger=none").logger._target_ is None
+    wandb = compose_config("logger=wandb").logger
+    assert wandb._target_ == "src.logger.WandbTracker" and wandb.mode is None
+
+
+def test_public_contract_keys():
+    """The names users and scripts rely on."""
+    cfg = compose_config()
+    for key in (
+        "seed",
+        "device",
+        "trainer.epochs",
+        "trainer.max_steps",
+        "data.root",
+        "data.batch_size",
+        "data.subset",
+        "logger.mode",
+    ):
+        assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", key
+    assert cfg.device == "auto" and cfg.trainer.max_steps is None
+
+
+def test_unknown_option_and_key_fail_with_hydras_message():
+    with pytest.raises(MissingConfigException, match="Could not find 'model/resnet'"):
+        compose_config("model=resnet")
+    with pytest.raises(ConfigCompositionException, match="Could not override 'trainer.epoch'"):
+        compose_config("trainer.epoch=3")
+
+
+def test_unknown_option_on_the_command_line(tmp_path):
+    result = run([sys.executable, str(REPO / "train.py"), "optimizer=lion"], tmp_path)
+    assert result.returncode != 0
+    assert "Could not find 'optimizer/lion'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_yaml_key_has_a_comment():
+    """Every key of every config file carries a one-line comment on its line."""
+    key = re.compile(r"^\s*[\w.]+:(?!\S)")
+    for path in CONF.rglob("*.yaml"):
+        in_defaults = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("defaults:"):
+                in_defaults = True
+                continue
+            if in_defaults and (line.startswith(" ") or line.startswith("-")):
+                continue
+            in_defaults = False
+            if not key.match(line):
+                continue
+            is_section = line.rstrip().endswith(":")  # a block whose keys are commented
+            assert is_section or "#" in line, f"{path.relative_to(REPO)}:{number} has no comment"

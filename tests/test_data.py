@@ -1,0 +1,152 @@
+"""The data path: IDX files read through the real loading code, and the sample order."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+from conftest import TRAIN_SIZE, make_dataset, offline_env, ok, run, train, write_idx
+from torch.utils.data import DistributedSampler
+
+from src.data import GlobalBatchSampler, MNISTData, find_idx_folder, read_idx
+from src.distributed import Process
+from src.errors import UserError
+
+
+def mnist(root, **overrides) -> MNISTData:
+    args = dict(
+        root=str(root),
+        torchvision_class="MNIST",
+        download=False,
+        mean=0.1307,
+        std=0.3081,
+        num_classes=10,
+        batch_size=64,
+        test_batch_size=1000,
+        subset=None,
+        seed=1,
+    )
+    return MNISTData(**{**args, **overrides})
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_round_trip(tmp_path, gz):
+    array = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
+    path = write_idx(tmp_path / "images", array, gz=gz)
+    assert torch.equal(read_idx(path), torch.from_numpy(array))
+
+
+def test_finds_flat_and_torchvision_layouts(tmp_path):
+    make_dataset(tmp_path / "flat", gz=True)
+    make_dataset(tmp_path / "tv" / "MNIST" / "raw", gz=False)
+    assert find_idx_folder(tmp_path / "flat", "MNIST") == tmp_path / "flat"
+    assert find_idx_folder(tmp_path / "tv", "MNIST") == tmp_path / "tv" / "MNIST" / "raw"
+    assert find_idx_folder(tmp_path / "tv", "FashionMNIST") is None
+
+
+def test_loads_splits_onto_the_device(tmp_path):
+    data = mnist(make_dataset(tmp_path), subset=50)
+    data.setup(Process())
+    images, labels = data.train
+    assert images.shape == (50, 1, 28, 28) and images.dtype == torch.uint8
+    assert labels.dtype == torch.long and len(data.test[1]) == 100
+    x, y, n = next(data.train_batches(1))
+    assert x.shape == (50, 1, 28, 28) and x.dtype == torch.float32 and n == 50
+    # Normalised as torchvision's ToTensor() + Normalize(mean, std) would.
+    first = data.sampler.order.__iter__().__next__()
+    assert torch.allclose(x[0], (images[first].float() / 255 - 0.1307) / 0.3081)
+
+
+def test_corrupt_files_are_named(tmp_path):
+    folder = make_dataset(tmp_path, gz=True)
+    path = folder / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:200])  # a download cut short
+    with pytest.raises(UserError, match="train-images-idx3-ubyte.gz.*truncated"):
+        mnist(folder).setup(Process())
+
+    labels = folder / "t10k-labels-idx1-ubyte.gz"
+    labels.write_bytes(gzip.compress(b"<html>not found</html>"))  # an error page saved as data
+    with pytest.raises(UserError, match="t10k-labels-idx1-ubyte.gz is not an IDX file"):
+        read_idx(labels)
+
+    raw = write_idx(tmp_path / "short", np.zeros((10, 28, 28), np.uint8))
+    raw.write_bytes(raw.read_bytes()[:-1])
+    with pytest.raises(UserError, match="short is truncated or corrupt"):
+        read_idx(raw)
+
+
+def test_files_that_do_not_match_are_refused(tmp_path):
+    folder = make_dataset(tmp_path, gz=False)
+    write_idx(folder / "t10k-labels-idx1-ubyte", np.zeros(99, np.uint8))
+    with pytest.raises(UserError, match="do not belong together"):
+        mnist(folder).setup(Process())
+
+
+def test_batch_size_must_divide_over_the_ranks(tmp_path):
+    with pytest.raises(UserError, match=r"data.batch_size=64 does not divide over 3 processes"):
+        mnist(tmp_path).setup(Process(mode="ddp", world_size=3))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_order_is_distributed_samplers_when_counts_divide(world_size):
+    """Each rank's samples are exactly those DistributedSampler gives it, in its order."""
+    n, batch = 256, 64
+    for rank in range(world_size):
+        ours = GlobalBatchSampler(n, batch, rank, world_size, seed=5)
+        theirs = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=5)
+        for epoch in (1, 2):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert [i for b in ours for i in b] == list(theirs)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_global_batches_do_not_depend_on_world_size(world_size):
+    """Each epoch covers every sample once, in the same global batches for any world size."""
+    n, batch = TRAIN_SIZE, 12  # 200 = 16 batches of 12 and a last one of 8
+    reference = GlobalBatchSampler(n, batch, 0, 1, seed=3)
+    reference.set_epoch(4)
+    samplers = [GlobalBatchSampler(n, batch, r, world_size, seed=3) for r in range(world_size)]
+    for s in samplers:
+        s.set_epoch(4)
+    for expected, shares in zip(reference, zip(*samplers, strict=True), strict=True):
+        assert sorted(i for share in shares for i in share) == sorted(expected)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # no padding, no repeats
+
+
+def test_missing_data_says_what_to_do(tmp_path):
+    """No files and no network: a short message, no traceback."""
+    result = train(["data.root=" + str(tmp_path / "empty"), "logger=none"], tmp_path)
+    assert result.returncode != 0
+    assert "MNIST IDX files not found in" in result.stderr
+    assert "the download failed" in result.stderr
+    assert "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_corrupt_file_stops_the_run_with_its_name(tmp_path):
+    folder = make_dataset(tmp_path / "data")
+    path = folder / "t10k-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:100])
+    result = train([f"data.root={folder}", "logger=none"], tmp_path)
+    assert result.returncode != 0
+    assert f"Could not read {path}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_fashion_mnist_package_layout(tmp_path):
+    """The four gzipped files side by side, as Debian's dataset-fashion-mnist installs them."""
+    folder = make_dataset(tmp_path / "fashion-mnist", gz=True)
+    ok(
+        train(
+            ["data=fashion_mnist", f"data.root={folder}", "logger=none", "trainer.max_steps=1"],
+            tmp_path,
+        )
+    )
+
+
+def test_offline_env_blocks_downloads(tmp_path):
+    """The guard the tests rely on: with offline_env no download can succeed."""
+    code = "import urllib.request as u; u.urlopen('http://example.com', timeout=5)"
+    result = run([__import__("sys").executable, "-c", code], tmp_path, offline_env())
+    assert result.returncode != 0

@@ -1,0 +1,155 @@
+"""Real training runs: python train.py and torchrun subprocesses (gloo on CPU) on tiny IDX files."""
+
+import json
+import math
+import subprocess
+
+import pytest
+from conftest import REPO, offline_env, ok, read_metrics, run_dirs, train
+
+SMOKE = ["logger=none", "trainer.epochs=2", "trainer.log_every_n_steps=1"]
+
+
+def single_run(tmp_path):
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def test_parallel_none_trains_and_writes_metrics(tmp_path, tiny_data):
+    ok(train([f"data.root={tiny_data}", *SMOKE], tmp_path))
+    run_dir = single_run(tmp_path)
+    steps, evals = read_metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, 9))  # 2 epochs of ceil(200 / 64) = 4 steps
+    assert {m["epoch"] for m in steps} == {1, 2}
+    assert [m["epoch"] for m in evals] == [1, 2]
+    assert all(set(m) >= {"step", "epoch", "train/loss"} for m in steps)
+    assert all(set(m) >= {"epoch", "test/loss", "test/acc"} for m in evals)
+    assert evals[-1]["test/acc"] > 0.5  # the synthetic classes are easy to tell apart
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else written
+
+
+def test_max_steps_and_subset(tmp_path, tiny_data):
+    ok(
+        train(
+            [
+                f"data.root={tiny_data}",
+                *SMOKE,
+                "trainer.max_steps=3",
+                "data.subset=64",
+                "data.batch_size=32",
+            ],
+            tmp_path,
+        )
+    )
+    steps, evals = read_metrics(single_run(tmp_path))
+    # 64 images in batches of 32 are 2 steps per epoch: step 3 is in epoch 2, then it stops.
+    assert [(m["step"], m["epoch"]) for m in steps] == [(1, 1), (2, 1), (3, 2)]
+    assert [(m["step"], m["epoch"]) for m in evals] == [(2, 1), (3, 2)]
+
+
+def test_dp_without_gpus_warns_once_and_trains_like_none(tmp_path, tiny_data):
+    ok(train([f"data.root={tiny_data}", *SMOKE], tmp_path / "none"))
+    result = ok(train([f"data.root={tiny_data}", *SMOKE, "parallel=dp"], tmp_path / "dp"))
+    assert (result.stdout + result.stderr).count("parallel=dp needs CUDA GPUs") == 1
+    assert read_metrics(single_run(tmp_path / "dp")) == read_metrics(single_run(tmp_path / "none"))
+
+
+def test_ddp_two_processes_one_run_folder_same_results(tmp_path, tiny_data):
+    """torchrun with 2 ranks: one run folder, rank 0's output only, and none's numbers."""
+    ok(train([f"data.root={tiny_data}", *SMOKE], tmp_path / "none"))
+    result = ok(
+        train([f"data.root={tiny_data}", *SMOKE, "parallel=ddp"], tmp_path / "ddp", nproc=2)
+    )
+    assert "DDP: 2 processes, backend gloo" in result.stdout
+    assert "[rank 1]" not in result.stdout + result.stderr  # rank 1 had nothing to warn about
+    run_dir = single_run(tmp_path / "ddp")
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == ["outputs"]
+    steps, evals = read_metrics(run_dir)
+    ref_steps, ref_evals = read_metrics(single_run(tmp_path / "none"))
+    assert [m["step"] for m in steps] == [m["step"] for m in ref_steps]
+    for ours, ref in zip(steps + evals, ref_steps + ref_evals, strict=True):
+        for key in ("train/loss", "test/loss"):
+            if key in ref:
+                assert math.isclose(ours[key], ref[key], rel_tol=1e-5), (key, ours, ref)
+    assert [m["test/correct"] for m in evals] == [m["test/correct"] for m in ref_evals]
+
+
+def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
+    result = train(
+        [f"data.root={tiny_data}", "logger=none", "parallel=ddp", "data.batch_size=63"],
+        tmp_path,
+        nproc=2,
+    )
+    assert result.returncode != 0
+    assert "data.batch_size=63 does not divide over 2 processes" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "message"),
+    [
+        (["parallel=ddp"], None, "parallel=ddp runs one process per device, started by torchrun"),
+        ([], 2, "torchrun started 2 processes, but parallel=none trains in one"),
+        (["parallel=ddp", "parallel.backend=nccl"], 2, "parallel.backend=nccl needs CUDA GPUs"),
+        (["device=cuda"], None, "device=cuda, but no CUDA GPU is visible"),
+    ],
+)
+def test_wrong_launch_says_what_to_do(tmp_path, tiny_data, overrides, nproc, message):
+    result = train([f"data.root={tiny_data}", "logger=none", *overrides], tmp_path, nproc=nproc)
+    assert result.returncode != 0
+    assert message in result.stderr
+    if nproc is None:
+        assert "Traceback" not in result.stderr
+
+
+def wandb_summary(run_dir):
+    """What the offline wandb run recorded, read back with wandb's own reader."""
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    result = subprocess.run(
+        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(result.stdout)
+
+
+def test_ddp_with_wandb_offline_makes_one_wandb_run(tmp_path, tiny_data):
+    env = offline_env(HOME=str(tmp_path))  # no netrc, no WANDB_API_KEY: offline, no prompt
+    ok(
+        train(
+            [f"data.root={tiny_data}", "parallel=ddp", "trainer.log_every_n_steps=1"],
+            tmp_path,
+            nproc=2,
+            env=env,
+        )
+    )
+    run_dir = single_run(tmp_path)
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
+    assert not list(tmp_path.glob("wandb")) and not list(REPO.glob("wandb"))
+    summary = wandb_summary(run_dir)
+    _, evals = read_metrics(run_dir)
+    text = json.dumps(summary)
+    assert str(evals[-1]["test/acc"]) in text
+    assert '"batch_size"' in text  # the resolved Hydra config was logged
+
+
+def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
+    """A sweep with a failing job: the others complete, the failure is reported, wandb finished."""
+    env = offline_env(HOME=str(tmp_path))
+    result = train(
+        ["-m", f"data.root={tiny_data}", "trainer.max_steps=2", "data.batch_size=32,0"],
+        tmp_path,
+        env=env,
+    )
+    assert result.returncode != 0
+    assert "data.batch_size=0 does not divide" in result.stderr
+    jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
+    assert [j.name for j in jobs] == ["0", "1"]
+    good, bad = jobs
+    assert read_metrics(good)[1], "the good job evaluated"
+    assert len(list(good.glob("wandb/offline-run-*"))) == 1
+    assert len(list(bad.glob("wandb/offline-run-*"))) == 1
+    assert (wandb_summary(good)["state"], wandb_summary(bad)["state"]) == ("finished", "failed")
