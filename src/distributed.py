@@ -40,6 +40,7 @@ class Process:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device_ids: tuple[int, ...] = ()  # parallel=dp: the GPUs each batch is split over
 
     @property
     def is_main(self) -> bool:
@@ -114,7 +115,7 @@ def setup(cfg: DictConfig) -> Process:
                 f"torchrun started {world_size} processes, but parallel={mode} trains in one. "
                 f"Add parallel=ddp, or run python train.py parallel={mode} without torchrun."
             )
-        return Process(mode=mode, device=_single_device(cfg))
+        return _single_process(cfg)
 
     present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     needed = TORCHRUN_VARIABLES if cfg.parallel.init_method == "env://" else TORCHRUN_VARIABLES[:3]
@@ -193,23 +194,26 @@ def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
     return device
 
 
-def _single_device(cfg: DictConfig) -> torch.device:
+def _single_process(cfg: DictConfig) -> Process:
+    """parallel=none: one device. parallel=dp: the GPUs to split over, data on the output one."""
     device = pick_device(cfg.device)
     if cfg.parallel.mode != "dp":
-        return device
+        return Process(mode="none", device=device)
     if device.type != "cuda":
         log.warning(
             "parallel=dp needs CUDA GPUs; training on the single device %s instead.", device
         )
-        return device
-    ids = cfg.parallel.device_ids or list(range(torch.cuda.device_count()))
-    absent = [i for i in ids if not 0 <= i < torch.cuda.device_count()]
+        return Process(mode="none", device=device)
+    count = torch.cuda.device_count()
+    ids = list(cfg.parallel.device_ids or range(count))
+    output = ids[0] if cfg.parallel.output_device is None else cfg.parallel.output_device
+    absent = [i for i in [*ids, output] if not 0 <= i < count]
     if absent:
         raise UserError(
-            f"parallel.device_ids={list(ids)} names GPUs {absent} that do not exist: "
-            f"{torch.cuda.device_count()} are visible (0 to {torch.cuda.device_count() - 1})."
+            f"parallel.device_ids={ids} / parallel.output_device={output} name GPUs {absent} that "
+            f"do not exist: {count} are visible, 0 to {count - 1}. Pick ids among them."
         )
-    return torch.device("cuda", ids[0])  # DataParallel keeps the model on its first GPU
+    return Process(mode="dp", device=torch.device("cuda", output), device_ids=tuple(ids))
 
 
 def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:
@@ -224,10 +228,10 @@ def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:
             gradient_as_bucket_view=parallel.gradient_as_bucket_view,
             static_graph=parallel.static_graph,
         )
-    if proc.mode == "dp" and proc.device.type == "cuda":
-        return nn.DataParallel(
-            model, device_ids=parallel.device_ids, output_device=parallel.output_device
-        )
+    if proc.mode == "dp":
+        # DataParallel wants the model on its first GPU; outputs (and the loss) on proc.device.
+        model = model.to(torch.device("cuda", proc.device_ids[0]))
+        return nn.DataParallel(model, device_ids=list(proc.device_ids), output_device=proc.device)
     return model
 
 

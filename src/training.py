@@ -92,7 +92,9 @@ def fit(
         if not step_interval:
             scheduler.step()
 
-        metrics = evaluate(unwrap(model), data, proc)
+        # Under DDP each rank evaluates its share with the plain model: DDP's forward may broadcast
+        # buffers, a collective that ranks with different numbers of batches would hang in.
+        metrics = evaluate(unwrap(model) if proc.mode == "ddp" else model, data, proc)
         log.info(
             "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
             epoch,

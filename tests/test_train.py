@@ -3,9 +3,10 @@
 import json
 import math
 import subprocess
+import sys
 
 import pytest
-from conftest import REPO, offline_env, ok, read_metrics, run_dirs, train
+from conftest import REPO, offline_env, ok, read_metrics, run, run_dirs, train
 
 SMOKE = ["logger=none", "trainer.epochs=2", "trainer.log_every_n_steps=1"]
 
@@ -116,24 +117,45 @@ def wandb_summary(run_dir):
     return json.loads(result.stdout)
 
 
-def test_ddp_with_wandb_offline_makes_one_wandb_run(tmp_path, tiny_data):
-    env = offline_env(HOME=str(tmp_path))  # no netrc, no WANDB_API_KEY: offline, no prompt
+def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp_path, tiny_data):
+    """Rank 1 starts 2 s after rank 0, so `${now:...}` differs between them: still one folder."""
+    env = offline_env(HOME=str(tmp_path / "home"))  # no netrc nor WANDB_API_KEY: offline
+    overrides = [
+        f"data.root={tiny_data}",
+        "parallel=ddp",
+        "trainer.log_every_n_steps=1",
+        f"paths.log_dir={tmp_path / 'outputs'}",
+    ]
+    delayed_start = f'[ "$LOCAL_RANK" = 1 ] && sleep 2; exec {sys.executable} "$@"'
     ok(
-        train(
-            [f"data.root={tiny_data}", "parallel=ddp", "trainer.log_every_n_steps=1"],
-            tmp_path,
-            nproc=2,
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "--no-python",
+                "sh",
+                "-c",
+                delayed_start,
+                "sh",
+                str(REPO / "train.py"),
+                *overrides,
+            ],
+            cwd=tmp_path,
             env=env,
         )
     )
     run_dir = single_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "outputs"]  # nothing in the cwd
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
-    assert not list(tmp_path.glob("wandb")) and not list(REPO.glob("wandb"))
+    assert not list(REPO.glob("wandb"))
     summary = wandb_summary(run_dir)
     _, evals = read_metrics(run_dir)
-    text = json.dumps(summary)
-    assert str(evals[-1]["test/acc"]) in text
-    assert '"batch_size"' in text  # the resolved Hydra config was logged
+    assert summary["state"] == "finished"
+    assert summary["summary"]["test/acc"] == evals[-1]["test/acc"]
+    assert summary["config"]["data"]["batch_size"] == 64  # the resolved Hydra config
 
 
 def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
