@@ -19,13 +19,15 @@ from omegaconf import DictConfig
 
 from src import distributed
 from src.logger import open_logger
-from src.training import build_scheduler, fit, seed_everything
+from src.training import build_scheduler, fit, make_deterministic, seed_everything
 
 log = logging.getLogger("train")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    if cfg.trainer.deterministic:
+        make_deterministic()
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
         run_dir = distributed.shared_run_dir(proc)
@@ -42,7 +44,8 @@ def main(cfg: DictConfig) -> float:
             scheduler = build_scheduler(cfg, optimizer, total_steps)
             seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
 
-            metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger)
+            metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir)
+        proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()
     return metrics["test/acc"]

@@ -68,6 +68,11 @@ class Process:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        if self.mode == "ddp":
+            dist.barrier()
+
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (in float64, so counts stay exact)."""
         if self.mode != "ddp":

@@ -37,6 +37,11 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(metrics)
 
+    @property
+    def run_id(self) -> str | None:
+        """The tracker's id of this run (wandb's run id), if it has one."""
+        return getattr(self.tracker, "run_id", None)
+
     def close(self, failed: bool = False) -> None:
         self.file.close()
         if self.tracker is not None:
@@ -82,6 +87,10 @@ class WandbTracker:
             )
         except Exception as err:  # noqa: BLE001 - wandb must never stop training
             log.warning("wandb did not start (%s); logging to metrics.jsonl only.", err)
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.id
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.run is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
+from src import checkpoint
 from src.data import MNISTData
 from src.distributed import Process, unwrap
 from src.logger import MetricsLogger
@@ -27,6 +30,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def make_deterministic() -> None:
+    """Ask PyTorch for deterministic kernels only (an error where none exists), on CPU and CUDA."""
+    # cuBLAS needs a fixed workspace to be deterministic; it reads this before its first call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def build_scheduler(
@@ -49,13 +60,16 @@ def fit(
     proc: Process,
     cfg: DictConfig,
     logger: MetricsLogger | None,
+    run_dir: Path,
 ) -> dict[str, float]:
-    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps), evaluating after each.
+    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps), evaluating after each
+    and saving `checkpoints/last.pt` (and `best.pt`, by test accuracy).
 
     Returns the last evaluation's metrics. `logger` is None on every process but the main one.
     """
     trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
-    step, metrics = 0, {}
+    last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
+    step, metrics, best_acc = 0, {}, -1.0
     for epoch in range(1, trainer.epochs + 1):
         model.train()
         bar = tqdm(
@@ -104,6 +118,14 @@ def fit(
         )
         if logger:
             logger.log({"step": step, "epoch": epoch, **metrics})
+        if cfg.checkpoint.save:
+            checkpoint.save(
+                last, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
+                step=step, cfg=cfg, metrics=metrics, wandb_id=logger.run_id if logger else None,
+            )  # fmt: skip
+            if metrics["test/acc"] > best_acc:
+                best_acc = metrics["test/acc"]
+                checkpoint.copy(last, best, proc)
         if step == trainer.max_steps:
             log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
             break

@@ -57,7 +57,7 @@ def test_reference_architectures():
         (10, 128),
         (10,),
     ]
-    assert [m.p for m in cnn if isinstance(m, torch.nn.Dropout)] == [0.25, 0.5]
+    assert [m.p for m in cnn.modules() if isinstance(m, torch.nn.Dropout)] == [0.25, 0.5]
 
 
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
