@@ -25,7 +25,7 @@ log = logging.getLogger("train")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
     if cfg.trainer.deterministic:
         make_deterministic()
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
@@ -48,11 +48,13 @@ def main(cfg: DictConfig) -> float:
         proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()
-    return metrics["test/acc"]
+    return metrics.get("test/acc")  # what a sweeper would maximise
 
 
 if __name__ == "__main__":
     # The repository root anchors data/ and outputs/, wherever train.py is started from.
     os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
     sys.argv = distributed.hydra_argv(sys.argv)
-    main()
+    main()  # on failure, Hydra exits non-zero from inside
+    if distributed.under_torchrun():
+        distributed.exit_worker()

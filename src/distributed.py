@@ -174,6 +174,27 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or the legacy launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def exit_worker() -> None:
+    """End a torchrun worker whose work is done and flushed, skipping the interpreter's teardown.
+
+    With the gloo backend, PyTorch can abort a process while the interpreter tears down
+    ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed
+    run although every rank finished. Seen here with torch 2.14 in about 1 of 10 runs of 3 ranks
+    on 2 busy cores, also with no DDP and no destroy_process_group; never with this exit.
+    """
+    if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service
+        sys.modules["wandb"].teardown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
     """`auto` is the first of cuda, mps, cpu that this machine has; anything else is checked."""
     if requested == "auto":

@@ -94,10 +94,11 @@ def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
         ([], 2, "torchrun started 2 processes, but parallel=none trains in one"),
         (["parallel=ddp", "parallel.backend=nccl"], 2, "parallel.backend=nccl needs CUDA GPUs"),
         (["device=cuda"], None, "device=cuda, but no CUDA GPU is visible"),
+        (["-m", "optimizer.lr=0.1,0.01"], 2, "Hydra multirun cannot run inside torchrun"),
     ],
 )
 def test_wrong_launch_says_what_to_do(tmp_path, tiny_data, overrides, nproc, message):
-    result = train([f"data.root={tiny_data}", "logger=none", *overrides], tmp_path, nproc=nproc)
+    result = train([*overrides, f"data.root={tiny_data}", "logger=none"], tmp_path, nproc=nproc)
     assert result.returncode != 0
     assert message in result.stderr
     if nproc is None:
@@ -175,3 +176,31 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert len(list(good.glob("wandb/offline-run-*"))) == 1
     assert len(list(bad.glob("wandb/offline-run-*"))) == 1
     assert (wandb_summary(good)["state"], wandb_summary(bad)["state"]) == ("finished", "failed")
+
+
+def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
+    """torch.distributed.launch appends --local-rank=N, which Hydra alone would reject."""
+    overrides = [
+        f"data.root={tiny_data}",
+        "logger=none",
+        "parallel=ddp",
+        "trainer.max_steps=2",
+        f"paths.log_dir={tmp_path / 'outputs'}",
+    ]
+    result = ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.launch",
+                "--nproc_per_node=2",
+                str(REPO / "train.py"),
+                *overrides,
+            ],
+            cwd=tmp_path,
+        )
+    )
+    assert (result.stdout + result.stderr).count(
+        "torch.distributed.launch is deprecated; launch with torchrun"
+    ) == 1
+    assert read_metrics(single_run(tmp_path))[1]
