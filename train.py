@@ -19,15 +19,15 @@ from omegaconf import DictConfig
 
 from src import distributed
 from src.logger import open_logger
-from src.training import build_scheduler, fit, make_deterministic, seed_everything
+from src.training import build_scheduler, check_config, fit, seed_everything, set_deterministic
 
 log = logging.getLogger("train")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    if cfg.trainer.deterministic:
-        make_deterministic()
+    check_config(cfg)
+    set_deterministic(cfg.trainer.deterministic)
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
         run_dir = distributed.shared_run_dir(proc)

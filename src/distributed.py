@@ -137,7 +137,15 @@ def setup(cfg: DictConfig) -> Process:
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(cfg.device, allow_mps=False)
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"parallel=ddp trains on CUDA GPUs or CPUs, not {device}. Use device=auto.")
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"torchrun started more processes on this machine than the "
+                f"{torch.cuda.device_count()} GPUs it sees (local rank {local_rank}). "
+                f"Use --nproc_per_node={torch.cuda.device_count()} or fewer."
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = cfg.parallel.backend
@@ -234,6 +242,11 @@ def _single_process(cfg: DictConfig) -> Process:
     ids = list(cfg.parallel.device_ids or range(count))
     output = ids[0] if cfg.parallel.output_device is None else cfg.parallel.output_device
     absent = [i for i in [*ids, output] if not 0 <= i < count]
+    if len(ids) == 1 and output != ids[0]:
+        raise UserError(
+            f"parallel.output_device={output} is not the one GPU of parallel.device_ids={ids}, "
+            "and DataParallel on one GPU gathers nothing. Leave parallel.output_device=null."
+        )
     if absent:
         raise UserError(
             f"parallel.device_ids={ids} / parallel.output_device={output} name GPUs {absent} that "

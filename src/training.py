@@ -20,6 +20,7 @@ from tqdm import tqdm
 from src import checkpoint
 from src.data import MNISTData
 from src.distributed import Process, unwrap
+from src.errors import UserError
 from src.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_deterministic() -> None:
-    """Ask PyTorch for deterministic kernels only (an error where none exists), on CPU and CUDA."""
-    # cuBLAS needs a fixed workspace to be deterministic; it reads this before its first call.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+def set_deterministic(on: bool) -> None:
+    """Deterministic kernels only (an error where none exists), on CPU and CUDA; or the defaults.
+
+    Set for every job, so one job of a sweep does not leave it on for the next.
+    """
+    if on:
+        # cuBLAS needs a fixed workspace to be deterministic; it reads this before its first call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.benchmark = False
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Stop on values the config's types allow but training cannot use, before any work."""
+    rules = [
+        ("trainer.epochs", cfg.trainer.epochs >= 1, "at least 1"),
+        ("trainer.max_steps", cfg.trainer.max_steps is None or cfg.trainer.max_steps >= 1,
+         "null or at least 1"),
+        ("trainer.log_every_n_steps", cfg.trainer.log_every_n_steps >= 1, "at least 1"),
+        ("data.subset", cfg.data.get("subset") is None or cfg.data.subset >= 1,
+         "null or at least 1"),
+        ("scheduler.interval", cfg.scheduler.get("interval") in ("epoch", "step"),
+         "epoch or step"),
+    ]  # fmt: skip
+    for key, good, allowed in rules:
+        if not good:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not allowed: use {allowed}.")
 
 
 def build_scheduler(
@@ -83,6 +105,7 @@ def fit(
             loss = train_loss(model(images), labels, global_size, proc.world_size)
             loss.backward()
             optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step used
             if step_interval:
                 scheduler.step()
             step += 1
@@ -91,7 +114,6 @@ def fit(
                 # The mean over the global batch: the ranks' scaled losses average to it.
                 (loss_sum,) = proc.sum_over_ranks([loss.item()])
                 if logger:
-                    lr = optimizer.param_groups[0]["lr"]
                     logger.log(
                         {
                             "step": step,

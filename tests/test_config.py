@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.training import build_scheduler
+from src.errors import UserError
+from src.training import build_scheduler, check_config
 
 CONF = REPO / "conf"
 GROUPS = {
@@ -143,3 +144,22 @@ def test_every_yaml_key_has_a_comment():
                 continue
             is_section = line.rstrip().endswith(":")  # a block whose keys are commented
             assert is_section or "#" in line, f"{path.relative_to(REPO)}:{number} has no comment"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.max_steps=0", "trainer.max_steps=0 is not allowed: use null or at least 1"),
+        ("trainer.epochs=0", "trainer.epochs=0 is not allowed"),
+        ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 is not allowed"),
+        ("data.subset=-5", "data.subset=-5 is not allowed"),
+        (
+            "scheduler.interval=epochs",
+            "scheduler.interval=epochs is not allowed: use epoch or step",
+        ),
+    ],
+)
+def test_values_training_cannot_use_are_refused(override, message):
+    check_config(compose_config())  # the defaults pass
+    with pytest.raises(UserError, match=message):
+        check_config(compose_config(override))
