@@ -72,7 +72,7 @@ class WandbTracker:
         import wandb  # imported only when wandb is used
 
         self.run = None
-        mode = wandb_mode(mode)
+        mode = wandb_mode(mode, default_base_url=wandb.Settings().base_url)
         try:
             self.run = wandb.init(
                 project=project,
@@ -112,7 +112,7 @@ class WandbTracker:
             log.warning("wandb.finish failed: %s", err)
 
 
-def wandb_mode(mode: str | None) -> str:
+def wandb_mode(mode: str | None, default_base_url: str) -> str:
     """`logger.mode` if set, else WANDB_MODE, else online with an API key and offline without.
 
     Choosing offline when no key is configured is what keeps wandb from prompting for one.
@@ -121,14 +121,14 @@ def wandb_mode(mode: str | None) -> str:
         return mode
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
-    return "online" if _has_api_key() else "offline"
+    return "online" if _has_api_key(default_base_url) else "offline"
 
 
-def _has_api_key() -> bool:
+def _has_api_key(default_base_url: str) -> bool:
     """An API key in WANDB_API_KEY or in the netrc file, where `wandb login` saves it."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or default_base_url).hostname
     path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
     try:
         return netrc.netrc(path).authenticators(host) is not None
