@@ -242,15 +242,15 @@ def _single_process(cfg: DictConfig) -> Process:
     ids = list(cfg.parallel.device_ids or range(count))
     output = ids[0] if cfg.parallel.output_device is None else cfg.parallel.output_device
     absent = [i for i in [*ids, output] if not 0 <= i < count]
-    if len(ids) == 1 and output != ids[0]:
-        raise UserError(
-            f"parallel.output_device={output} is not the one GPU of parallel.device_ids={ids}, "
-            "and DataParallel on one GPU gathers nothing. Leave parallel.output_device=null."
-        )
     if absent:
         raise UserError(
             f"parallel.device_ids={ids} / parallel.output_device={output} name GPUs {absent} that "
             f"do not exist: {count} are visible, 0 to {count - 1}. Pick ids among them."
+        )
+    if len(ids) == 1 and output != ids[0]:
+        raise UserError(
+            f"parallel.output_device={output} is not the one GPU of parallel.device_ids={ids}, "
+            "and DataParallel on one GPU gathers nothing. Leave parallel.output_device=null."
         )
     return Process(mode="dp", device=torch.device("cuda", output), device_ids=tuple(ids))
 
