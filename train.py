@@ -4,6 +4,7 @@
     python train.py parallel=dp                               # nn.DataParallel over the GPUs
     torchrun --nproc_per_node=4 train.py parallel=ddp         # DistributedDataParallel, 4 processes
     python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn    # a Hydra sweep
+    python train.py train=false ckpt_path=PATH                # evaluate a checkpoint
 
 Every knob is in conf/; `python train.py --help` lists them.
 """
@@ -17,9 +18,16 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from src import distributed
+from src import checkpoint, distributed
 from src.logger import open_logger
-from src.training import build_scheduler, check_config, fit, seed_everything, set_deterministic
+from src.training import (
+    build_scheduler,
+    check_config,
+    evaluate_and_log,
+    fit,
+    seed_everything,
+    set_deterministic,
+)
 
 log = logging.getLogger("train")
 
@@ -32,19 +40,33 @@ def main(cfg: DictConfig) -> float | None:
     try:
         run_dir = distributed.shared_run_dir(proc)
         log.info("Run folder: %s", run_dir)
-        with open_logger(cfg, run_dir, proc) as logger:  # finishes wandb on every exit
+        # (path, checkpoint): the one training continues from, else the one whose weights it
+        # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
+        resumed = checkpoint.find_resume(cfg, run_dir, proc)
+        weights = resumed or checkpoint.find_weights(cfg, proc)
+        with open_logger(cfg, run_dir, proc, resumed) as logger:  # finishes wandb on every exit
             data = instantiate(cfg.data)
             data.setup(proc)
 
             seed_everything(cfg.seed)  # the same initial weights on every rank
-            model = distributed.wrap(instantiate(cfg.model).to(proc.device), cfg, proc)
-            optimizer = instantiate(cfg.optimizer, model.parameters())
-            total_steps = data.steps_per_epoch * cfg.trainer.epochs
-            total_steps = min(total_steps, cfg.trainer.max_steps or total_steps)
-            scheduler = build_scheduler(cfg, optimizer, total_steps)
-            seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-
-            metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir)
+            model = instantiate(cfg.model).to(proc.device)
+            if weights:
+                checkpoint.load_model(model, *weights)
+            model = distributed.wrap(model, cfg, proc)
+            if cfg.train:
+                optimizer = instantiate(cfg.optimizer, model.parameters())
+                total_steps = data.steps_per_epoch * cfg.trainer.epochs
+                total_steps = min(total_steps, cfg.trainer.max_steps or total_steps)
+                scheduler = build_scheduler(cfg, optimizer, total_steps)
+                state = resumed and resumed[1]
+                if not (state and checkpoint.restore(state, optimizer, scheduler, proc)):
+                    seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
+                metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
+            else:
+                state = weights[1]
+                metrics = evaluate_and_log(
+                    model, data, proc, logger, state.get("epoch", 0), state.get("step", 0)
+                )
         proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()

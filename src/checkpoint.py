@@ -2,14 +2,19 @@
 
 A checkpoint holds the unwrapped model's `state_dict` (no `module.` prefix), so it loads into any
 parallel mode, and nothing but tensors and plain Python types, so `torch.load(weights_only=True)`
-reads it.
+reads it. It also holds where training stood (epoch, batches of it done, optimizer step), the
+optimizer and scheduler, and every rank's random state, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import random
 import shutil
+import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +22,16 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from src.distributed import Process, unwrap
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# What wrappers prepend to parameter names: DataParallel/DDP, and torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+TRAINING_KEYS = ("model", "optimizer", "scheduler", "epoch", "epoch_step", "step", "rng")
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,6 +47,18 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put the generators back where `rng_state` found them."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        cuda = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+
 def save(
     path: Path,
     proc: Process,
@@ -42,13 +67,16 @@ def save(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     epoch: int,
+    epoch_step: int,
     step: int,
+    best_acc: float,
     cfg: DictConfig,
     metrics: dict[str, Any],
     wandb_id: str | None,
 ) -> None:
     """Write a checkpoint to `path` from the main process, atomically; every rank waits for it.
 
+    `epoch` is the epoch training is in (from 1) and `epoch_step` how many of its batches are done.
     Each rank's random state is kept (dropout differs per rank), gathered to the main process.
     The file is written beside its final name and renamed over it, so a kill during the write
     leaves the previous checkpoint whole.
@@ -60,7 +88,9 @@ def save(
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "epoch": epoch,
+            "epoch_step": epoch_step,
             "step": step,
+            "best_acc": best_acc,
             "rng": rng,
             "config": OmegaConf.to_container(cfg, resolve=True),
             "wandb_id": wandb_id,
@@ -79,3 +109,150 @@ def copy(source: Path, target: Path, proc: Process) -> None:
         partial = target.with_name(f".{target.name}.partial")
         shutil.copyfile(source, partial)
         os.replace(partial, target)
+
+
+def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, dict] | None:
+    """The checkpoint training continues from, and its contents; None to start fresh.
+
+    `resume=auto` takes `checkpoints/last.pt` of the run folder if there is one, a path names a
+    checkpoint, null never resumes. Rank 0 decides, so every rank resumes from the same file.
+    """
+    if not cfg.train or cfg.resume is None:
+        return None
+    path = Path(cfg.resume)
+    if cfg.resume == "auto":
+        last = run_dir / "checkpoints" / "last.pt"
+        path = proc.broadcast_object(last if last.is_file() else None)
+        if path is None:
+            return None
+    log.info("Resuming from %s", path)
+    if cfg.init_from:
+        log.info("init_from=%s is not used: the resumed weights replace it.", cfg.init_from)
+    return path, load(path, proc)
+
+
+def find_weights(cfg: DictConfig, proc: Process) -> tuple[Path, dict] | None:
+    """The file the model's first weights come from: `ckpt_path` to evaluate (train=false),
+    `init_from` to fine-tune; None for fresh weights."""
+    name = cfg.init_from if cfg.train else cfg.ckpt_path
+    if name is None:
+        return None
+    path = Path(name)
+    return path, load(path, proc, weights_only=True)
+
+
+def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any]:
+    """A checkpoint of this template, read by every rank onto its own device.
+
+    With `weights_only`, a bare `state_dict` (from anyone's `torch.save(model.state_dict())`)
+    is accepted too, as {"model": state_dict}. Unreadable files stop every rank with one sentence.
+    """
+    error, state = None, None
+    try:
+        state = _read(path, proc.device)
+        if weights_only and _is_state_dict(state):
+            state = {"model": state}
+        needed = ("model",) if weights_only else TRAINING_KEYS
+        missing = [key for key in needed if not isinstance(state, dict) or key not in state]
+        if missing:
+            error = (
+                f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
+                "Give a last.pt or best.pt from a run folder's checkpoints/"
+                + (", or a model's state_dict." if weights_only else ".")
+            )
+    except UserError as err:
+        error = str(err)
+    errors = [e for e in proc.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return state
+
+
+def _read(path: Path, device: torch.device) -> Any:
+    if not path.is_file():
+        raise UserError(
+            f"{path}: no such checkpoint file. Check the path (relative to {Path.cwd()})."
+        )
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights_only" not in str(err) and "Weights only" not in str(err):
+            raise UserError(f"{path} is corrupt: {_first_line(err)}.") from None
+        raise UserError(
+            f"{path} holds Python objects other than tensors and plain values, and loading it "
+            "would run arbitrary code, which torch.load(weights_only=True) refuses. If you trust "
+            "it, load it yourself and save only the model's state_dict() to a new file."
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
+        raise UserError(
+            f"{path} is not a readable checkpoint: truncated or corrupt ({_first_line(err)}). "
+            "Use an intact copy, e.g. best.pt, or start fresh with resume=null."
+        ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and bool(obj)
+        and all(isinstance(v, torch.Tensor) for v in obj.values())
+    )
+
+
+def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> None:
+    """Load the weights of checkpoint `state` (read from `path`) into the plain `model`, whatever
+    wrapper they were saved from.
+
+    Prefixes that DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) add are removed.
+    A checkpoint of another architecture stops with the first keys and shapes that differ.
+    """
+    state_dict = OrderedDict(state["model"])
+    for prefix in WRAPPER_PREFIXES:
+        consume_prefix_in_state_dict_if_present(state_dict, prefix)
+    expected = model.state_dict()
+    problems = [
+        f"{key} {_shape(state_dict[key])} in the file, {_shape(tensor)} in the model"
+        for key, tensor in expected.items()
+        if key in state_dict and state_dict[key].shape != tensor.shape
+    ]
+    problems += [f"{key} missing from the file" for key in expected if key not in state_dict]
+    problems += [f"{key} not in the model" for key in state_dict if key not in expected]
+    if problems:
+        shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
+        raise UserError(
+            f"{path} holds weights of another architecture than {type(model).__name__} ({shown}). "
+            "Choose the model= (and its sizes) it was saved with."
+        )
+    model.load_state_dict(state_dict)
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "×".join(map(str, tensor.shape)) or "scalar"
+
+
+def restore(
+    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    proc: Process,
+) -> bool:
+    """Continue the optimizer, the schedule and this rank's random streams from `state`.
+
+    Call after the scheduler is built: building one resets the optimizer's learning rate.
+    Returns False when the random streams could not continue (another number of processes).
+    """
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if len(state["rng"]) != proc.world_size:
+        log.warning(
+            "The checkpoint was saved by %d processes and this run has %d: weights, optimizer, "
+            "schedule and sample order continue, dropout's random streams start afresh.",
+            len(state["rng"]),
+            proc.world_size,
+        )
+        return False
+    set_rng_state(state["rng"][proc.rank])
+    return True

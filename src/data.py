@@ -14,6 +14,7 @@ import math
 import struct
 import zlib
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -233,11 +234,16 @@ class MNISTData:
         """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
         return images.float().div_(255).sub_(self.mean).div_(self.std)
 
-    def train_batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's (images, labels) of each global batch, with the global batch's size."""
+    def train_batches(
+        self, epoch: int, skip: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's (images, labels) of each global batch, with the global batch's size.
+
+        `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
+        """
         self.sampler.set_epoch(epoch)
         num_samples = len(self.train[1])
-        for step, indices in enumerate(self.sampler):
+        for step, indices in islice(enumerate(self.sampler), skip, None):
             index = torch.tensor(indices, dtype=torch.long, device=self.device)
             global_size = min(self.batch_size, num_samples - step * self.batch_size)
             yield self.normalise(self.train[0][index]), self.train[1][index], global_size

@@ -107,7 +107,23 @@ def hydra_argv(argv: list[str]) -> list[str]:
         )
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+    elif (anchor := _restart_anchor()) and anchor.is_file():
+        # torchrun restarted the workers: rank 0 takes up the first attempt's run folder, where
+        # resume=auto finds its last.pt.
+        args.append(f"hydra.run.dir='{anchor.read_text()}'")
     return args
+
+
+def _restart_anchor() -> Path | None:
+    """A file that belongs to this torchrun invocation and outlives its worker restarts.
+
+    torchrun keeps each attempt's error files in {log dir}/{run id}_{suffix}/attempt_{N}/{local
+    rank}/error.json; the folder above attempt_{N} is the same for every attempt.
+    """
+    error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
+    if not error_file.parent.parent.name.startswith("attempt_"):
+        return None
+    return error_file.parents[2] / "run_dir"
 
 
 def setup(cfg: DictConfig) -> Process:
@@ -156,13 +172,14 @@ def setup(cfg: DictConfig) -> Process:
             f"parallel.backend=nccl needs CUDA GPUs, but this run is on {device}. "
             "Use parallel.backend=gloo (or auto) on CPUs."
         )
-    dist.init_process_group(
-        backend,
-        init_method=cfg.parallel.init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=cfg.parallel.timeout),
-    )
+    timeout = timedelta(seconds=cfg.parallel.timeout)
+    if cfg.parallel.init_method == "env://" and under_torchrun():
+        store = _attempt_store(rank, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)  # fmt: skip
+    else:
+        dist.init_process_group(backend, init_method=cfg.parallel.init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)  # fmt: skip
     proc = Process("ddp", rank, local_rank, world_size, device)
     if not proc.is_main:
         _quiet_logging(rank)
@@ -175,6 +192,21 @@ def setup(cfg: DictConfig) -> Process:
         "DDP: %d processes, backend %s, this is rank %d on %s", world_size, backend, rank, device
     )
     return proc
+
+
+def _attempt_store(rank: int, timeout: timedelta) -> dist.Store:
+    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own.
+
+    torchrun keeps one store for all restarts of a worker group, and the keys an earlier attempt
+    left there (each rank's gloo address) make a restarted group connect to dead processes
+    (torch 2.14, pytorch/pytorch#135712). Each rank counts its attempts in the store, so the
+    ranks of one attempt agree on its number without talking to each other.
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = store.add(f"train.py/attempts/rank{rank}", 1)
+    return dist.PrefixStore(f"train.py/attempt{attempt}", store)
 
 
 def teardown() -> None:
@@ -285,7 +317,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def shared_run_dir(proc: Process) -> Path:
     """The run folder Hydra made for rank 0, which every rank uses (see `hydra_argv`)."""
-    return Path(proc.broadcast_object(HydraConfig.get().runtime.output_dir))
+    run_dir = HydraConfig.get().runtime.output_dir
+    if proc.is_main and (anchor := _restart_anchor()):
+        anchor.write_text(run_dir)
+    return Path(proc.broadcast_object(run_dir))
 
 
 def _quiet_logging(rank: int) -> None:

@@ -24,11 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Appends one JSON object per `log` call to `metrics.jsonl` and hands it to the tracker."""
+    """Appends one JSON object per `log` call to `metrics.jsonl` and hands it to the tracker.
 
-    def __init__(self, run_dir: Path, tracker: Any | None = None):
+    A resumed run's file starts with the `history` its checkpoint had seen, so that it reads
+    like the run's uninterrupted record.
+    """
+
+    def __init__(
+        self, run_dir: Path, tracker: Any | None = None, history: list[dict[str, Any]] = ()
+    ):
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.path.open("w")
+        partial = self.path.with_name(".metrics.jsonl.partial")
+        partial.write_text("".join(json.dumps(record) + "\n" for record in history))
+        os.replace(partial, self.path)
+        self.file = self.path.open("a")
         self.tracker = tracker
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -55,7 +64,10 @@ class MetricsLogger:
 
 
 class WandbTracker:
-    """One wandb run, with the resolved config, its files inside the run folder."""
+    """One wandb run, with the resolved config, its files inside the run folder.
+
+    Given the `run_id` of a resumed run, it continues that run (wandb's `resume="allow"`).
+    """
 
     def __init__(
         self,
@@ -68,6 +80,7 @@ class WandbTracker:
         tags: list[str],
         mode: str | None,
         init_timeout: float,
+        run_id: str | None = None,
     ):
         import wandb  # imported only when wandb is used
 
@@ -83,6 +96,8 @@ class WandbTracker:
                 config=resolved_config,
                 dir=run_dir,
                 mode=mode,
+                id=run_id,
+                resume="allow" if run_id else None,
                 settings=wandb.Settings(init_timeout=init_timeout),
             )
         except Exception as err:  # noqa: BLE001 - wandb must never stop training
@@ -137,19 +152,47 @@ def _has_api_key(default_base_url: str) -> bool:
 
 
 def open_logger(
-    cfg: DictConfig, run_dir: Path, proc: Process
+    cfg: DictConfig,
+    run_dir: Path,
+    proc: Process,
+    resumed: tuple[Path, dict[str, Any]] | None = None,
 ) -> AbstractContextManager[MetricsLogger | None]:
     """The main process's logger, with the tracker `cfg.logger` names; None on other ranks.
 
     Used as a context manager, so the tracker is finished on every exit, errors included.
+    A run `resumed` from (checkpoint path, checkpoint) continues its metrics and its wandb run.
     """
     if not proc.is_main:
         return nullcontext()
+    history, run_id = [], None
+    if resumed:
+        path, state = resumed
+        history = metrics_until(path.parent.parent / "metrics.jsonl", state["step"])
+        run_id = state.get("wandb_id")
     tracker = None
     if cfg.logger._target_ is not None:
         config = OmegaConf.to_container(cfg, resolve=True)
         # Not recursive: the config's own _target_ entries are data for wandb, not objects to build.
         tracker = instantiate(
-            cfg.logger, run_dir=run_dir, resolved_config=config, _recursive_=False, _convert_="all"
+            cfg.logger,
+            run_dir=run_dir,
+            resolved_config=config,
+            run_id=run_id,
+            _recursive_=False,
+            _convert_="all",
         )
-    return MetricsLogger(run_dir, tracker)
+    return MetricsLogger(run_dir, tracker, history)
+
+
+def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl` up to optimizer step `step` ([] if there is no file).
+
+    What a killed run logged after its last checkpoint is left out: the resumed run logs it again.
+    """
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a run killed while writing it
+            continue
+    return [record for record in records if record.get("step", 0) <= step]

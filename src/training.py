@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hydra.errors import CompactHydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -56,10 +58,20 @@ def check_config(cfg: DictConfig) -> None:
          "null or at least 1"),
         ("scheduler.interval", cfg.scheduler.get("interval") in ("epoch", "step"),
          "epoch or step"),
+        ("checkpoint.every_n_steps",
+         cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
+         "null or at least 1"),
     ]  # fmt: skip
     for key, good, allowed in rules:
         if not good:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not allowed: use {allowed}.")
+    if not cfg.train and cfg.ckpt_path is None:
+        raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
+    if cfg.train and cfg.ckpt_path is not None:
+        raise UserError(
+            "ckpt_path is the checkpoint to evaluate with train=false. To continue training from "
+            "it use resume=PATH; to start from its weights, init_from=PATH."
+        )
 
 
 def build_scheduler(
@@ -74,6 +86,31 @@ def build_scheduler(
     return instantiate(spec, optimizer)
 
 
+class StopSignals:
+    """While active, SIGTERM and SIGINT (pre-emption, Ctrl-C, torchrun shutting down) only ask
+    training to stop; the loop stops at its next logging step, on every rank at the same step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class Stopped(CompactHydraException):
+    """Training stopped on a signal after saving its checkpoint; Hydra prints the message alone."""
+
+
 def fit(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -83,74 +120,127 @@ def fit(
     cfg: DictConfig,
     logger: MetricsLogger | None,
     run_dir: Path,
+    resumed: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps), evaluating after each
-    and saving `checkpoints/last.pt` (and `best.pt`, by test accuracy).
+    and saving `checkpoints/last.pt` (and `best.pt`, by test accuracy); continue where the
+    `resumed` checkpoint stood.
 
     Returns the last evaluation's metrics. `logger` is None on every process but the main one.
     """
     trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
     last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
-    step, metrics, best_acc = 0, {}, -1.0
-    for epoch in range(1, trainer.epochs + 1):
-        model.train()
-        bar = tqdm(
-            total=data.steps_per_epoch,
-            desc=f"epoch {epoch}",
-            leave=False,
-            disable=not (proc.is_main and sys.stdout.isatty()),
-        )
-        for images, labels, global_size in data.train_batches(epoch):
-            optimizer.zero_grad(set_to_none=True)
-            loss = train_loss(model(images), labels, global_size, proc.world_size)
-            loss.backward()
-            optimizer.step()
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-            if step_interval:
-                scheduler.step()
-            step += 1
-            bar.update()
-            if step % trainer.log_every_n_steps == 0:
-                # The mean over the global batch: the ranks' scaled losses average to it.
-                (loss_sum,) = proc.sum_over_ranks([loss.item()])
-                if logger:
-                    logger.log(
-                        {
-                            "step": step,
-                            "epoch": epoch,
-                            "train/loss": loss_sum / proc.world_size,
-                            "lr": lr,
-                        }
-                    )
-            if step == trainer.max_steps:
-                break
-        bar.close()
-        if not step_interval:
-            scheduler.step()
+    first_epoch, epoch_step, step, best_acc, metrics = 1, 0, 0, -1.0, {}
+    if resumed:
+        first_epoch, epoch_step, step = resumed["epoch"], resumed["epoch_step"], resumed["step"]
+        best_acc, metrics = resumed["best_acc"], resumed["metrics"]
+        if epoch_step >= data.steps_per_epoch:  # saved at the end of an epoch
+            first_epoch, epoch_step = first_epoch + 1, 0
+        log.info("Resuming at epoch %d, after %d of its batches, step %d", first_epoch,
+                 epoch_step, step)  # fmt: skip
+    if step == trainer.max_steps or first_epoch > trainer.epochs:
+        log.info("Nothing left to train: the checkpoint is at the end of this run.")
+        return metrics
 
-        # Under DDP each rank evaluates its share with the plain model: DDP's forward may broadcast
-        # buffers, a collective that ranks with different numbers of batches would hang in.
-        metrics = evaluate(unwrap(model) if proc.mode == "ddp" else model, data, proc)
-        log.info(
-            "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
-            epoch,
-            step,
-            metrics["test/loss"],
-            metrics["test/acc"],
-        )
-        if logger:
-            logger.log({"step": step, "epoch": epoch, **metrics})
+    def save(epoch: int, epoch_step: int) -> None:  # last.pt, as training stands now
         if cfg.checkpoint.save:
             checkpoint.save(
                 last, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
-                step=step, cfg=cfg, metrics=metrics, wandb_id=logger.run_id if logger else None,
+                epoch_step=epoch_step, step=step, best_acc=best_acc, cfg=cfg, metrics=metrics,
+                wandb_id=logger.run_id if logger else None,
             )  # fmt: skip
-            if metrics["test/acc"] > best_acc:
-                best_acc = metrics["test/acc"]
+
+    def stopped() -> Stopped:
+        if not cfg.checkpoint.save:
+            return Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
+        return Stopped(
+            f"Stopped by a signal after step {step}; {last} is saved. "
+            f"Run the same command with hydra.run.dir={run_dir} to resume."
+        )
+
+    every, stop = cfg.checkpoint.every_n_steps, False
+    with StopSignals() as signals:
+        for epoch in range(first_epoch, trainer.epochs + 1):
+            model.train()
+            skip = epoch_step if epoch == first_epoch else 0  # batches done before a resume
+            epoch_step = skip
+            bar = tqdm(
+                initial=skip,
+                total=data.steps_per_epoch,
+                desc=f"epoch {epoch}",
+                leave=False,
+                disable=not (proc.is_main and sys.stdout.isatty()),
+            )
+            for images, labels, global_size in data.train_batches(epoch, skip):
+                optimizer.zero_grad(set_to_none=True)
+                loss = train_loss(model(images), labels, global_size, proc.world_size)
+                loss.backward()
+                optimizer.step()
+                lr = optimizer.param_groups[0]["lr"]  # the rate this step used
+                if step_interval:
+                    scheduler.step()
+                step, epoch_step = step + 1, epoch_step + 1
+                bar.update()
+                if step % trainer.log_every_n_steps == 0:
+                    # The mean over the global batch: the ranks' scaled losses average to it.
+                    # The same reduction tells every rank whether any was asked to stop.
+                    loss_sum, stop = proc.sum_over_ranks([loss.item(), bool(signals.received)])
+                    if logger:
+                        logger.log(
+                            {
+                                "step": step,
+                                "epoch": epoch,
+                                "train/loss": loss_sum / proc.world_size,
+                                "lr": lr,
+                            }
+                        )
+                if step == trainer.max_steps:
+                    break
+                if epoch_step < data.steps_per_epoch:  # else the epoch's end saves (and stops)
+                    if stop:
+                        save(epoch, epoch_step)
+                        raise stopped()
+                    if every and step % every == 0:
+                        save(epoch, epoch_step)
+            bar.close()
+            if not step_interval and epoch_step == data.steps_per_epoch:
+                scheduler.step()
+
+            metrics = evaluate_and_log(model, data, proc, logger, epoch, step)
+            was_best = metrics["test/acc"] > best_acc
+            best_acc = max(best_acc, metrics["test/acc"])
+            save(epoch, epoch_step)
+            if cfg.checkpoint.save and was_best:
                 checkpoint.copy(last, best, proc)
-        if step == trainer.max_steps:
-            log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
-            break
+            if stop:
+                raise stopped()
+            if step == trainer.max_steps:
+                log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
+                break
+    return metrics
+
+
+def evaluate_and_log(
+    model: nn.Module,
+    data: MNISTData,
+    proc: Process,
+    logger: MetricsLogger | None,
+    epoch: int,
+    step: int,
+) -> dict[str, Any]:
+    """Evaluate on the test split; print the result and log it at `step`."""
+    # Under DDP each rank evaluates its share with the plain model: DDP's forward may broadcast
+    # buffers, a collective that ranks with different numbers of batches would hang in.
+    metrics = evaluate(unwrap(model) if proc.mode == "ddp" else model, data, proc)
+    log.info(
+        "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
+        epoch,
+        step,
+        metrics["test/loss"],
+        metrics["test/acc"],
+    )
+    if logger:
+        logger.log({"step": step, "epoch": epoch, **metrics})
     return metrics
 
 
