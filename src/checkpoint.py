@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 from collections import OrderedDict
@@ -176,22 +177,23 @@ def _read(path: Path, device: torch.device) -> Any:
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as err:
-        if "weights_only" not in str(err) and "Weights only" not in str(err):
-            raise UserError(f"{path} is corrupt: {_first_line(err)}.") from None
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if not unsafe:
+            raise _corrupt(path, "not a file torch.save wrote") from None
         raise UserError(
-            f"{path} holds Python objects other than tensors and plain values, and loading it "
-            "would run arbitrary code, which torch.load(weights_only=True) refuses. If you trust "
-            "it, load it yourself and save only the model's state_dict() to a new file."
+            f"{path} holds Python objects ({unsafe.group(1)}), not only tensors and plain values; "
+            "torch.load(weights_only=True) refuses to unpickle them, as that can run arbitrary "
+            "code. If you trust the file, load it yourself and save its model's state_dict()."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        raise UserError(
-            f"{path} is not a readable checkpoint: truncated or corrupt ({_first_line(err)}). "
-            "Use an intact copy, e.g. best.pt, or start fresh with resume=null."
-        ) from None
+        raise _corrupt(path, str(err).strip().split(". ")[0]) from None
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+def _corrupt(path: Path, detail: str) -> UserError:
+    return UserError(
+        f"{path} is not a readable checkpoint: truncated or corrupt ({detail}). "
+        "Use an intact copy (best.pt is a second one), or start without it."
+    )
 
 
 def _is_state_dict(obj: Any) -> bool:
