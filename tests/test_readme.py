@@ -39,8 +39,7 @@ def test_readme_commands_are_all_known():
     assert not unknown, f"README commands no test runs: {unknown}"
 
 
-@pytest.mark.parametrize("command", [c for c in readme_commands() if c.startswith(RUNS)])
-def test_readme_command_runs(command, tmp_path, tiny_data):
+def run_readme_command(command: str, tmp_path, tiny_data) -> None:
     words = shlex.split(command)
     env = offline_env(HOME=str(tmp_path))  # wandb, if used, goes offline without asking
     while "=" in words[0]:  # VAR=value before the command
@@ -52,3 +51,21 @@ def test_readme_command_runs(command, tmp_path, tiny_data):
     ok(run(words, cwd=REPO, env=env, timeout=300))
     runs = [p.parent for p in (tmp_path / "outputs").rglob("metrics.jsonl")]
     assert runs and all(read_metrics(r)[1] for r in runs), "every run evaluated"
+
+
+# The checkpoint commands build on each other (the run in my-run, then its checkpoints).
+SEQUENCE = [c for c in readme_commands() if "my-run" in c]
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in readme_commands() if c.startswith(RUNS) and c not in SEQUENCE]
+)
+def test_readme_command_runs(command, tmp_path, tiny_data):
+    run_readme_command(command, tmp_path, tiny_data)
+
+
+def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
+    assert len(SEQUENCE) == 5
+    for command in SEQUENCE:
+        run_readme_command(command, tmp_path, tiny_data)
+    assert (tmp_path / "outputs" / "my-run" / "checkpoints" / "best.pt").is_file()
