@@ -8,7 +8,7 @@ import random
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -88,7 +88,8 @@ def build_scheduler(
 
 class StopSignals:
     """While active, SIGTERM and SIGINT (pre-emption, Ctrl-C, torchrun shutting down) only ask
-    training to stop; the loop stops at its next logging step, on every rank at the same step."""
+    training to stop: one process stops after the current step, DDP ranks at the next logging
+    step, where they agree on it."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -150,10 +151,12 @@ def fit(
                 wandb_id=logger.run_id if logger else None,
             )  # fmt: skip
 
-    def stopped() -> Stopped:
+    def stop_now() -> NoReturn:
+        if not proc.is_main:
+            sys.exit(1)  # quietly: rank 0 tells the user
         if not cfg.checkpoint.save:
-            return Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
-        return Stopped(
+            raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
+        raise Stopped(
             f"Stopped by a signal after step {step}; {last} is saved. "
             f"Run the same command with hydra.run.dir={run_dir} to resume."
         )
@@ -194,12 +197,14 @@ def fit(
                                 "lr": lr,
                             }
                         )
+                elif proc.world_size == 1:  # no other rank to agree with: stop after this step
+                    stop = bool(signals.received)
                 if step == trainer.max_steps:
                     break
                 if epoch_step < data.steps_per_epoch:  # else the epoch's end saves (and stops)
                     if stop:
                         save(epoch, epoch_step)
-                        raise stopped()
+                        stop_now()
                     if every and step % every == 0:
                         save(epoch, epoch_step)
             bar.close()
@@ -213,7 +218,7 @@ def fit(
             if cfg.checkpoint.save and was_best:
                 checkpoint.copy(last, best, proc)
             if stop:
-                raise stopped()
+                stop_now()
             if step == trainer.max_steps:
                 log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
                 break

@@ -92,6 +92,7 @@ def test_the_runs_really_trained(runs):
     assert checkpoint["step"] == 27 and checkpoint["epoch"] == 3
 
 
+@pytest.mark.slow
 def test_ddp_evaluation_is_exact_with_3_processes(tmp_path, tiny_data):
     """10,000 test images over 3 ranks (3334/3333/3333): the same count as one process."""
     data_dir = make_dataset(tmp_path / "data", train_size=48, test_size=10_000, seed=7)

@@ -1,5 +1,6 @@
 """wandb's mode, and a wandb that fails: training goes on with metrics.jsonl."""
 
+import pytest
 import wandb
 from conftest import offline_env, ok, read_metrics, run_dirs, train
 
@@ -23,6 +24,7 @@ def test_mode_setting_then_variable_then_api_key(tmp_path, monkeypatch):
     assert wandb_mode("offline", DEFAULT) == "offline"  # logger.mode wins
 
 
+@pytest.mark.slow
 def test_wandb_failure_never_stops_training(tmp_path, tiny_data):
     """Online with a key but no network: one warning after the init timeout, then training."""
     env = offline_env(HOME=str(tmp_path / "home"), WANDB_API_KEY="k" * 40)
