@@ -3,6 +3,7 @@
     python train.py                                           # one device
     python train.py parallel=dp                               # nn.DataParallel over the GPUs
     torchrun --nproc_per_node=4 train.py parallel=ddp         # DistributedDataParallel, 4 processes
+    python train.py parallel=ddp parallel.nproc_per_node=4    # the same, processes started here
     python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn    # a Hydra sweep
     python train.py train=false ckpt_path=PATH                # evaluate a checkpoint
 
@@ -18,7 +19,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from src import checkpoint, distributed
+from src import checkpoint, distributed, launch
 from src.logger import open_logger
 from src.training import (
     build_scheduler,
@@ -34,11 +35,24 @@ log = logging.getLogger("train")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    if launch.spawns(cfg):  # parallel=ddp without torchrun: start the DDP processes here
+        check_config(cfg)  # before any process starts
+        return launch.spawn(train, cfg)
+    if distributed.under_torchrun():  # a DDP worker: failures go to torchrun's error file
+        return launch.run_worker(train, cfg)
+    return train(cfg)
+
+
+def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
+    """One training run (or evaluation) in this process: alone, or one rank of a DDP group.
+
+    Returns the final test accuracy. `run_dir` defaults to the folder Hydra made for the run.
+    """
     check_config(cfg)
     set_deterministic(cfg.trainer.deterministic)
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
-        run_dir = distributed.shared_run_dir(proc)
+        run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
         # (path, checkpoint): the one training continues from, else the one whose weights it
         # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -141,11 +143,6 @@ def setup(cfg: DictConfig) -> Process:
     present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     needed = TORCHRUN_VARIABLES if cfg.parallel.init_method == "env://" else TORCHRUN_VARIABLES[:3]
     missing = [name for name in needed if name not in os.environ]
-    if not present:
-        raise UserError(
-            "parallel=ddp runs one process per device, started by torchrun: "
-            "torchrun --nproc_per_node=2 train.py parallel=ddp"
-        )
     if missing:
         raise UserError(
             f"parallel=ddp found a partial distributed environment: {', '.join(present)} set but "
@@ -173,6 +170,8 @@ def setup(cfg: DictConfig) -> Process:
             "Use parallel.backend=gloo (or auto) on CPUs."
         )
     timeout = timedelta(seconds=cfg.parallel.timeout)
+    if rank == 0 and not under_torchrun():  # then rank 0 hosts the rendezvous store itself
+        _check_port_free(cfg.parallel.init_method)
     if cfg.parallel.init_method == "env://" and under_torchrun():
         store = _attempt_store(rank, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -189,9 +188,28 @@ def setup(cfg: DictConfig) -> Process:
             "torchrun --nproc_per_node=N train.py parallel=ddp"
         )
     log.info(
-        "DDP: %d processes, backend %s, this is rank %d on %s", world_size, backend, rank, device
-    )
+        "DDP: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
+        world_size, backend, rank, device, torch.get_num_threads(),
+    )  # fmt: skip
     return proc
+
+
+def _check_port_free(init_method: str) -> None:
+    """Stop before the rendezvous if its port is taken (by another run, most often)."""
+    url = urlsplit(init_method)
+    port = int(os.environ["MASTER_PORT"]) if url.scheme == "env" else url.port
+    if port is None:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise UserError(
+                f"Port {port} of the rendezvous ({init_method}, MASTER_PORT) is in use, "
+                "probably by another run. Choose a free port, or let torchrun choose one: "
+                "torchrun --standalone ... or --rdzv-endpoint=localhost:0."
+            ) from None
 
 
 def _attempt_store(rank: int, timeout: timedelta) -> dist.Store:
@@ -315,9 +333,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     )
 
 
-def shared_run_dir(proc: Process) -> Path:
-    """The run folder Hydra made for rank 0, which every rank uses (see `hydra_argv`)."""
-    run_dir = HydraConfig.get().runtime.output_dir
+def shared_run_dir(proc: Process, run_dir: Path | None = None) -> Path:
+    """Rank 0's run folder (the one Hydra made, unless given), which every rank uses."""
+    run_dir = str(run_dir or HydraConfig.get().runtime.output_dir)
     if proc.is_main and (anchor := _restart_anchor()):
         anchor.write_text(run_dir)
     return Path(proc.broadcast_object(run_dir))

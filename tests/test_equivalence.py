@@ -6,10 +6,13 @@ in global batches of 24 end each epoch with a batch of 8, which 3 processes spli
 """
 
 import math
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import make_dataset, ok, read_metrics, run_dirs, train
+from conftest import REPO, make_dataset, offline_env, ok, read_metrics, run_dirs, train
 from hydra.utils import instantiate
 
 from src.data import MNISTData
@@ -34,6 +37,8 @@ MODES = {
     "ddp2": (["parallel=ddp"], 2),
     "ddp3": (["parallel=ddp"], 3),
     "ddp4": (["parallel=ddp"], 4),
+    "ddp2-self-launched": (["parallel=ddp", "parallel.nproc_per_node=2"], None),
+    "ddp4-self-launched": (["parallel=ddp", "parallel.nproc_per_node=4"], None),  # on 2 cores
 }
 # float32 sums taken in another order differ in the last bits. Measured on CPU over these 27 steps:
 # losses within 1.4e-7 relative, weights within 7.5e-8 (2.7e-7 of the largest weight). The bounds
@@ -142,3 +147,42 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path, tiny_data, nproc):
     (metrics_a, weights_a), (metrics_b, weights_b) = results
     assert metrics_a == metrics_b
     assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data):
+    """Two torchrun agents, as on two machines (here both on 127.0.0.1), 2 processes each, meet
+    through torchrun's c10d rendezvous: 4 ranks, one run folder, one wandb run, and the same
+    training as one process (a rank that did not train its share would change the losses)."""
+    env = offline_env(HOME=str(tmp_path / "home"), WANDB_MODE="offline")
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tmp_path.name}",
+               str(REPO / "train.py"), f"data.root={tiny_data}", *RECIPE, "logger=wandb",
+               "parallel=ddp", f"paths.log_dir={tmp_path / 'outputs'}"]  # fmt: skip
+    agents = [
+        subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "DDP: 4 processes" in "".join(outputs)
+    (run_dir,) = run_dirs(tmp_path)
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
+    steps, evals = read_metrics(run_dir)
+    ref_steps, ref_evals, _ = runs["none"]
+    for ours, ref in zip(steps + evals, ref_steps + ref_evals, strict=True):
+        loss = "train/loss" if "train/loss" in ref else "test/loss"
+        assert math.isclose(ours[loss], ref[loss], rel_tol=LOSS_RTOL), (ours, ref)

@@ -90,9 +90,10 @@ def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
 @pytest.mark.parametrize(
     ("overrides", "nproc", "message"),
     [
-        (["parallel=ddp"], None, "parallel=ddp runs one process per device, started by torchrun"),
+        (["parallel=ddp", "parallel.nproc_per_node=0"], None, "parallel.nproc_per_node=0: use 1"),
         ([], 2, "torchrun started 2 processes, but parallel=none trains in one"),
         (["parallel=ddp", "parallel.backend=nccl"], 2, "parallel.backend=nccl needs CUDA GPUs"),
+        (["parallel=ddp", "parallel.backend=nccl"], None, "parallel.backend=nccl needs CUDA GPUs"),
         (["device=cuda"], None, "device=cuda, but no CUDA GPU is visible"),
         (["-m", "optimizer.lr=0.1,0.01"], 2, "Hydra multirun cannot run inside torchrun"),
     ],
