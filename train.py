@@ -88,8 +88,11 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
 
 
 if __name__ == "__main__":
-    # The repository root anchors data/ and outputs/, wherever train.py is started from.
-    os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
+    # The repository root anchors data/ and outputs/, wherever train.py is started from, and
+    # processes started for this run (submitit's SLURM jobs) import src/ from it.
+    root = str(Path(__file__).resolve().parent)
+    os.environ.setdefault("PROJECT_ROOT", root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     sys.argv = distributed.hydra_argv(sys.argv)
     main()  # on failure, Hydra exits non-zero from inside
     if distributed.under_torchrun():

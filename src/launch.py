@@ -5,6 +5,8 @@ started by torchrun, reports a failure the same way: once, in torchrun's error f
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import logging
 import logging.config
@@ -73,7 +75,7 @@ def spawn(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     )
     log.info("Starting %d DDP processes", nproc)
     args = (
-        train,
+        (inspect.getfile(train), train.__name__),  # by file: __main__ is not train.py everywhere
         OmegaConf.to_container(cfg, resolve=True),
         hydra.runtime.output_dir,
         OmegaConf.to_container(hydra.job_logging, resolve=True),
@@ -98,19 +100,24 @@ def spawn(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
 
 
 def _worker(
-    train: Callable[[DictConfig, Path], Any],
+    train: tuple[str, str],
     config: dict[str, Any],
     run_dir: str,
     job_logging: dict[str, Any],
     threads: int,
 ) -> Any:
-    """One self-launched DDP process (the environment torchrun would set is set)."""
+    """One self-launched DDP process (the environment torchrun would set is set): runs the
+    function `train` names (file, function) on the config."""
     if os.environ["RANK"] == "0":
         logging.config.dictConfig(job_logging)
     else:
         logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     torch.set_num_threads(threads)  # the machine's cores shared between the processes
-    return run_worker(train, OmegaConf.create(config), Path(run_dir))
+    path, name = train
+    spec = importlib.util.spec_from_file_location("train_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return run_worker(getattr(module, name), OmegaConf.create(config), Path(run_dir))
 
 
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:

@@ -1,0 +1,294 @@
+"""Every way of launching DDP, for real: sweeps of self-launched DDP jobs, failures that stop every
+process, the launchers' guards, the legacy launcher, and SLURM's launcher config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, offline_env, ok, read_metrics, run, run_dirs, train
+from hydra import compose, initialize_config_dir
+from test_train import wandb_summary
+
+
+def processes_in(folder: Path) -> list[int]:
+    """Processes still running with `folder` as their working directory (left-behind workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and Path(os.readlink(entry / "cwd")) == folder:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def printed(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
+    env = offline_env(HOME=str(tmp_path / "home"))
+    result = train(
+        [
+            "-m",
+            f"data.root={tiny_data}",
+            "parallel=ddp",
+            "parallel.nproc_per_node=2",
+            "trainer.max_steps=3",
+            "trainer.log_every_n_steps=1",
+            "optimizer.lr=0.1,0.01",
+        ],
+        tmp_path,
+        env=env,
+    )
+    ok(result)
+    jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
+    assert [job.name for job in jobs] == ["0", "1"]
+    for job, lr in zip(jobs, [0.1, 0.01], strict=True):
+        steps, evals = read_metrics(job)
+        assert [m["lr"] for m in steps] == [lr] * 3 and evals
+        assert "DDP: 2 processes" in (job / "train.log").read_text()
+        assert len(list(job.glob("wandb/offline-run-*"))) == 1
+        assert wandb_summary(job)["state"] == "finished"
+    assert processes_in(tmp_path) == []
+
+
+def test_a_failing_multirun_job_leaves_no_process_behind(tmp_path, tiny_data):
+    result = train(
+        [
+            "-m",
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            "parallel.nproc_per_node=2",
+            "trainer.max_steps=2",
+            "data.batch_size=32,3",
+        ],
+        tmp_path,
+    )
+    assert result.returncode != 0
+    assert "data.batch_size=3 does not divide over 2 processes" in printed(result)
+    assert "Traceback" not in printed(result)
+    first = sorted((tmp_path / "outputs" / "multirun").glob("*/*/0"))[0]
+    assert read_metrics(first)[1], "the good job ran"
+    assert processes_in(tmp_path) == []
+
+
+def wait_until(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
+    """SIGKILL one of the processes `python train.py parallel=ddp` started: the others stop,
+    the command fails within 30 s naming the rank, and no process is left."""
+    tmp_path.mkdir(exist_ok=True)
+    main = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            "parallel.nproc_per_node=2",
+            "data.batch_size=8",
+            "trainer.epochs=200",
+            f"paths.log_dir={tmp_path / 'outputs'}",
+        ],
+        cwd=tmp_path,
+        env=offline_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_until(lambda: list((tmp_path / "outputs").rglob("last.pt")))
+    workers = [
+        p for p in children(main.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    assert len(workers) == 2
+    killed = time.monotonic()
+    os.kill(workers[1], signal.SIGKILL)
+    output, _ = main.communicate(timeout=60)
+    assert time.monotonic() - killed < 30
+    assert main.returncode != 0
+    assert "rank 1: Signal 9 (SIGKILL)" in output, output
+    wait_until(lambda: processes_in(tmp_path) == [], timeout=10)
+
+
+def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
+    """Only rank 1 gets a bad value; rank 0 waits for it at the rendezvous until torchrun stops
+    it. The command fails within 30 s and shows rank 1's message."""
+    rank_1_is_wrong = f'[ "$RANK" = 1 ] && set -- "$@" data.subset=0; exec {sys.executable} "$@"'
+    started = time.monotonic()
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--no-python",
+            "sh",
+            "-c",
+            rank_1_is_wrong,
+            "sh",
+            str(REPO / "train.py"),
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            f"paths.log_dir={tmp_path / 'outputs'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0
+    output = printed(result)
+    assert "data.subset=0 is not allowed" in output
+    assert output.count("Root Cause") == 1 and "rank      : 1" in output, output
+    assert processes_in(tmp_path) == []
+
+
+def test_a_bug_in_every_worker_is_shown_once_with_its_traceback(tmp_path, tiny_data):
+    """Not a user mistake: the models differ between ranks, which DDP refuses with a
+    RuntimeError; one traceback, the first failing rank's, is printed."""
+    rank_1_differs = f'[ "$RANK" = 1 ] && set -- "$@" model.hidden=64; exec {sys.executable} "$@"'
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--no-python",
+            "sh",
+            "-c",
+            rank_1_differs,
+            "sh",
+            str(REPO / "train.py"),
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            f"paths.log_dir={tmp_path / 'outputs'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    output = printed(result)
+    root_cause = output.split("Root Cause")[1]
+    assert "Traceback" in root_cause and "RuntimeError" in root_cause, output
+    assert "Error executing job" not in output  # not printed again by each rank
+    assert processes_in(tmp_path) == []
+
+
+def test_partial_distributed_environment_and_busy_port(tmp_path, tiny_data):
+    overrides = [f"data.root={tiny_data}", "logger=none", "parallel=ddp"]
+    env = offline_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    result = train(overrides, tmp_path, env=env)
+    assert result.returncode != 0
+    assert (
+        "partial distributed environment: RANK, LOCAL_RANK, WORLD_SIZE set but MASTER_ADDR, "
+        "MASTER_PORT missing" in printed(result)
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        result = train(overrides, tmp_path, env=env)
+    assert result.returncode != 0
+    assert f"Port {port} of the rendezvous (env://, MASTER_PORT) is in use" in printed(result)
+    assert "Traceback" not in printed(result)
+
+
+DELAYED_START = """
+import os, runpy, sys, time
+if os.environ.get("LOCAL_RANK") == "1" or "--local-rank=1" in sys.argv:
+    time.sleep(2)
+args = sys.argv[1:]  # the legacy launcher puts --local-rank=N first: keep it, after the script
+script = next(arg for arg in args if not arg.startswith("--"))
+args.remove(script)
+sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "torch.distributed.launch"])
+def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, launcher):
+    """torchrun and the legacy launcher (which appends --local-rank=N), rank 1 starting 2 s late
+    (through a script that waits, then runs train.py with the arguments it was given)."""
+    delayed = tmp_path / "delayed.py"
+    delayed.write_text(DELAYED_START)
+    result = ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                launcher,
+                "--nproc_per_node=2",
+                str(delayed),
+                str(REPO / "train.py"),
+                f"data.root={tiny_data}",
+                "logger=none",
+                "parallel=ddp",
+                "trainer.max_steps=2",
+                f"paths.log_dir={tmp_path / 'outputs'}",
+            ],
+            cwd=tmp_path,
+        )
+    )
+    (run_dir,) = run_dirs(tmp_path)
+    assert read_metrics(run_dir)[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delayed.py", "outputs"]
+    legacy = "torch.distributed.launch is deprecated; launch with torchrun"
+    assert printed(result).count(legacy) == int(launcher == "torch.distributed.launch")
+
+
+def test_slurm_launcher_config_composes():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["hydra/launcher=slurm", "parallel=ddp", "parallel.nproc_per_node=4"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == (
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    )
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (1, 1, 4)
+
+
+@pytest.mark.slow
+def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
+    """The SLURM launcher's machinery without SLURM: submitit's local executor runs each job
+    (a pickled Hydra job in a new process), which starts its own 2 DDP processes."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="requirements-slurm.txt")
+    result = train(
+        [
+            "-m",
+            "hydra/launcher=submitit_local",
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            "parallel.nproc_per_node=2",
+            "trainer.max_steps=2",
+            "optimizer.lr=0.1,0.01",
+        ],
+        tmp_path,
+    )
+    ok(result)
+    jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
+    assert [job.name for job in jobs] == ["0", "1"]
+    assert all(read_metrics(job)[1] for job in jobs)
