@@ -274,7 +274,6 @@ def test_slurm_launcher_config_composes():
 def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
     """The SLURM launcher's machinery without SLURM: submitit's local executor runs each job
     (a pickled Hydra job in a new process), which starts its own 2 DDP processes."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="requirements-slurm.txt")
     result = train(
         [
             "-m",

@@ -5,13 +5,16 @@ The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run.
 
 import re
 import shlex
+import socket
+import subprocess
 import sys
 
 import pytest
 from conftest import REPO, offline_env, ok, read_metrics, run
+from hydra import compose, initialize_config_dir
 
 README = (REPO / "README.md").read_text()
-RUNS = ("python train.py", "torchrun ", "WANDB_MODE=")
+RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync")
 
 
@@ -55,13 +58,55 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
 
 # The checkpoint commands build on each other (the run in my-run, then its checkpoints).
 SEQUENCE = [c for c in readme_commands() if "my-run" in c]
+MACHINES = [c for c in readme_commands() if "$HEAD_NODE" in c]  # one command per machine
+SLURM = [c for c in readme_commands() if "hydra/launcher=slurm" in c]  # needs a SLURM cluster
+SPECIAL = SEQUENCE + MACHINES + SLURM
 
 
 @pytest.mark.parametrize(
-    "command", [c for c in readme_commands() if c.startswith(RUNS) and c not in SEQUENCE]
+    "command", [c for c in readme_commands() if c.startswith(RUNS) and c not in SPECIAL]
 )
 def test_readme_command_runs(command, tmp_path, tiny_data):
     run_readme_command(command, tmp_path, tiny_data)
+
+
+def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_data):
+    """The command each machine runs, started twice on this one, with HEAD_NODE = 127.0.0.1."""
+    (command,) = MACHINES
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = command.replace("$HEAD_NODE:29500", f"127.0.0.1:{port}")
+    words = [sys.executable, "-m", "torch.distributed.run", *shlex.split(command)[1:]]
+    words += [
+        f"data.root={tiny_data}",
+        "trainer.max_steps=2",
+        "logger=none",
+        f"paths.log_dir={tmp_path}/outputs",
+    ]
+    agents = [
+        subprocess.Popen(
+            words,
+            cwd=REPO,
+            env=offline_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "DDP: 4 processes" in "".join(outputs)
+
+
+def test_readme_slurm_command_composes():
+    """Without a SLURM cluster, the SLURM command is composed (the sweep values picked)."""
+    (command,) = SLURM
+    overrides = [w.split(",")[0] for w in shlex.split(command)[2:] if w != "-m"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 4
 
 
 def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
