@@ -105,7 +105,8 @@ def hydra_argv(argv: list[str]) -> list[str]:
     if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.exit(
             "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. "
-            "Run the sweep in one process, with one torchrun command per job."
+            "Run it without torchrun; each job starts its DDP processes itself: "
+            "python train.py -m parallel=ddp parallel.nproc_per_node=N ..."
         )
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]

@@ -42,11 +42,16 @@ def spawns(cfg: DictConfig) -> bool:
 
 def nproc_per_node(cfg: DictConfig) -> int:
     """`parallel.nproc_per_node`, or one process per visible GPU, or 2 on a CPU-only machine."""
-    nproc = cfg.parallel.nproc_per_node
+    nproc, gpus = cfg.parallel.nproc_per_node, torch.cuda.device_count()
     if nproc is None:
-        return torch.cuda.device_count() or 2
+        return gpus or 2
     if nproc < 1:
         raise UserError(f"parallel.nproc_per_node={nproc}: use 1 or more (or null for automatic).")
+    if nproc > gpus > 0 and cfg.device in ("auto", "cuda"):
+        raise UserError(
+            f"parallel.nproc_per_node={nproc}, but {gpus} GPUs are visible: one process per GPU. "
+            f"Use parallel.nproc_per_node={gpus} or fewer (or device=cpu for CPU processes)."
+        )
     return nproc
 
 

@@ -151,6 +151,7 @@ def test_signal_stops_at_a_step_saves_and_the_next_launch_resumes(
     assert_same_training(parts, whole)
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_writes_never_damages_last_pt(tmp_path, tiny_data):
     """SIGKILL at random moments of a run that rewrites a 6 MB last.pt every step: last.pt always
     loads, and the run still resumes from it."""

@@ -125,7 +125,7 @@ def test_ddp_evaluation_is_exact_with_3_processes(tmp_path, tiny_data):
     assert math.isclose(logged["test/loss"], single["test/loss"], rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("nproc", [None, 2])
+@pytest.mark.parametrize("nproc", [None, pytest.param(2, marks=pytest.mark.slow)])
 def test_deterministic_runs_are_bitwise_identical(tmp_path, tiny_data, nproc):
     """trainer.deterministic=true: the CNN, dropout on, trained twice gives the very same bits."""
     overrides = [

@@ -60,6 +60,7 @@ def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
     assert processes_in(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_failing_multirun_job_leaves_no_process_behind(tmp_path, tiny_data):
     result = train(
         [
@@ -225,7 +226,13 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("launcher", ["torch.distributed.run", "torch.distributed.launch"])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        pytest.param("torch.distributed.run", marks=pytest.mark.slow),  # and in test_train.py
+        "torch.distributed.launch",
+    ],
+)
 def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, launcher):
     """torchrun and the legacy launcher (which appends --local-rank=N), rank 1 starting 2 s late
     (through a script that waits, then runs train.py with the arguments it was given)."""
@@ -291,3 +298,42 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
     assert [job.name for job in jobs] == ["0", "1"]
     assert all(read_metrics(job)[1] for job in jobs)
+
+
+@pytest.mark.slow
+def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path, tiny_data):
+    """Rank 1 is frozen (SIGSTOP) during training: rank 0's next collective fails after
+    parallel.timeout=5 seconds instead of waiting the default 30 minutes."""
+    # torchrun substitutes $-templates in arguments ($$ gives $), hence $$$$ for the shell's $$.
+    freeze_rank_1 = (
+        f'if [ "$RANK" = 1 ]; then (sleep 4; kill -STOP $$$$) & fi; exec {sys.executable} "$@"'
+    )
+    started = time.monotonic()
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--no-python",
+            "sh",
+            "-c",
+            freeze_rank_1,
+            "sh",
+            str(REPO / "train.py"),
+            f"data.root={tiny_data}",
+            "logger=none",
+            "parallel=ddp",
+            "parallel.timeout=5",
+            "data.batch_size=8",
+            "trainer.epochs=1000",
+            f"paths.log_dir={tmp_path / 'outputs'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert "Timed out waiting 5000ms" in printed(result).split("Root Cause")[1]
+    # About 13 s to the timeout; then torchrun waits 30 s for the frozen rank before SIGKILL.
+    assert time.monotonic() - started < 60
+    assert processes_in(tmp_path) == []

@@ -64,12 +64,19 @@ SPECIAL = SEQUENCE + MACHINES + SLURM
 
 
 @pytest.mark.parametrize(
-    "command", [c for c in readme_commands() if c.startswith(RUNS) and c not in SPECIAL]
+    "command",
+    [
+        # Self-launched DDP commands are slow here; tests/test_launch.py covers them by default.
+        pytest.param(c, marks=pytest.mark.slow) if "parallel.nproc_per_node" in c else c
+        for c in readme_commands()
+        if c.startswith(RUNS) and c not in SPECIAL
+    ],
 )
 def test_readme_command_runs(command, tmp_path, tiny_data):
     run_readme_command(command, tmp_path, tiny_data)
 
 
+@pytest.mark.slow  # as tests/test_equivalence.py does by default
 def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_data):
     """The command each machine runs, started twice on this one, with HEAD_NODE = 127.0.0.1."""
     (command,) = MACHINES
@@ -109,6 +116,7 @@ def test_readme_slurm_command_composes():
     assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 4
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py covers each by default
 def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
     assert len(SEQUENCE) == 5
     for command in SEQUENCE:
