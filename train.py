@@ -28,6 +28,7 @@ from src.training import (
     fit,
     seed_everything,
     set_deterministic,
+    speed_up,
 )
 
 log = logging.getLogger("train")
@@ -66,7 +67,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             model = instantiate(cfg.model).to(proc.device)
             if weights:
                 checkpoint.load_model(model, *weights)
-            model = distributed.wrap(model, cfg, proc)
+            model = distributed.wrap(speed_up(model, cfg.trainer), cfg, proc)
             if cfg.train:
                 optimizer = instantiate(cfg.optimizer, model.parameters())
                 total_steps = data.steps_per_epoch * cfg.trainer.epochs
@@ -77,10 +78,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                     seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
                 metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
             else:
-                state = weights[1]
-                metrics = evaluate_and_log(
-                    model, data, proc, logger, state.get("epoch", 0), state.get("step", 0)
-                )
+                epoch, step = weights[1].get("epoch", 0), weights[1].get("step", 0)
+                metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
         proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()

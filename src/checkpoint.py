@@ -74,6 +74,7 @@ def save(
     cfg: DictConfig,
     metrics: dict[str, Any],
     wandb_id: str | None,
+    scaler: torch.amp.GradScaler,
 ) -> None:
     """Write a checkpoint to `path` from the main process, atomically; every rank waits for it.
 
@@ -88,6 +89,7 @@ def save(
             "model": unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),  # {} unless trainer.precision=16
             "epoch": epoch,
             "epoch_step": epoch_step,
             "step": step,

@@ -1,9 +1,13 @@
 """MNIST-style data: find (or download) the four IDX files, hold each split in memory, batch it.
 
-Each split lives once as a uint8 tensor on the training device. A batch is gathered by index and
-normalised there, so the loop runs no per-sample Python. The sample order is the permutation
-`DistributedSampler` draws, cut into global batches that are split over the ranks
-(`GlobalBatchSampler`), so it depends on `seed` and the epoch only, never on `parallel=`.
+`loader=tensor` (the default): each split lives once as a uint8 tensor on the training device; a
+batch is gathered by index and normalised there, so the loop runs no per-sample Python.
+`loader=torch`: the standard `DataLoader` over a per-sample `Dataset`, the path to extend with
+per-sample transforms, augmentation or data that does not fit in memory.
+
+Both draw the same sample order: the permutation `DistributedSampler` draws, cut into global
+batches that are split over the ranks (`GlobalBatchSampler`), so it depends on `seed` and the
+epoch only, never on `parallel=` or the loader.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from src.distributed import Process
 from src.errors import UserError
@@ -98,15 +102,18 @@ class GlobalBatchSampler:
         )
         self.batches = BatchSampler(self.order, batch_size, drop_last=False)
         self.rank, self.world_size = rank, world_size
+        self.skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Epoch `epoch`'s order, leaving out its first `skip` batches (done before a resume)."""
         self.order.set_epoch(epoch)
+        self.skip = skip
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.batches:
+        for batch in islice(self.batches, self.skip, None):
             yield batch[self.rank :: self.world_size]
 
 
@@ -130,11 +137,20 @@ class MNISTData:
         test_batch_size: int,
         subset: int | None,
         seed: int,
+        loader: str = "tensor",
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
     ):
+        if loader not in ("tensor", "torch"):
+            raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
         self.root = Path(root)
+        self.loader = loader
+        self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
+                        "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
         self.torchvision_class = torchvision_class
         self.download = download
-        self.mean, self.std = mean, std
+        self.normalise = Normalise(mean, std)  # also each sample's transform under loader=torch
         self.num_classes = num_classes
         self.batch_size = batch_size
         self.test_batch_size = test_batch_size
@@ -161,9 +177,11 @@ class MNISTData:
         if errors:
             raise UserError(errors[0])
 
+        # loader=torch keeps the images in RAM and copies each batch to the device.
         folder = find_idx_folder(self.root, self.torchvision_class)
-        self.train = self._load(folder, "train", proc.device)
-        self.test = self._load(folder, "test", proc.device)
+        home = proc.device if self.loader == "tensor" else torch.device("cpu")
+        self.train = self._load(folder, "train", home)
+        self.test = self._load(folder, "test", home)
         if self.subset is not None:
             self.train = (self.train[0][: self.subset], self.train[1][: self.subset])
         self.device = proc.device
@@ -171,6 +189,11 @@ class MNISTData:
         self.sampler = GlobalBatchSampler(
             len(self.train[1]), self.batch_size, proc.rank, proc.world_size, self.seed
         )
+        if self.loader == "torch":
+            dataset = IDXDataset(*self.train, self.normalise)
+            self.train_loader = DataLoader(
+                dataset, batch_sampler=self.sampler, collate_fn=collate, **self.workers
+            )
         log.info(
             "Data: %d training and %d test images from %s",
             len(self.train[1]),
@@ -230,10 +253,6 @@ class MNISTData:
     def steps_per_epoch(self) -> int:
         return len(self.sampler)
 
-    def normalise(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
-        return images.float().div_(255).sub_(self.mean).div_(self.std)
-
     def train_batches(
         self, epoch: int, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -241,15 +260,56 @@ class MNISTData:
 
         `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
         """
-        self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch, skip)
         num_samples = len(self.train[1])
-        for step, indices in islice(enumerate(self.sampler), skip, None):
-            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+        for step, (images, labels) in enumerate(self._batches(), start=skip):
             global_size = min(self.batch_size, num_samples - step * self.batch_size)
-            yield self.normalise(self.train[0][index]), self.train[1][index], global_size
+            yield images, labels, global_size
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.loader == "torch":
+            for images, labels in self.train_loader:  # pinned memory makes these copies async
+                yield (images.to(self.device, non_blocking=True),
+                       labels.to(self.device, non_blocking=True))  # fmt: skip
+        else:
+            for indices in self.sampler:
+                index = torch.tensor(indices, dtype=torch.long, device=self.device)
+                yield self.normalise(self.train[0][index]), self.train[1][index]
 
     def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's test images (every world_size-th one), in batches of test_batch_size."""
-        index = torch.arange(self.rank, len(self.test[1]), self.world_size, device=self.device)
+        index = torch.arange(self.rank, len(self.test[1]), self.world_size)
         for chunk in index.split(self.test_batch_size):
-            yield self.normalise(self.test[0][chunk]), self.test[1][chunk]
+            images, labels = self.test[0][chunk.to(self.test[0].device)], self.test[1][chunk]
+            yield self.normalise(images.to(self.device)), labels.to(self.device)
+
+
+class Normalise:
+    """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
+
+    def __init__(self, mean: float, std: float):
+        self.mean, self.std = mean, std
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().div_(255).sub_(self.mean).div_(self.std)
+
+
+class IDXDataset(Dataset):
+    """One sample at a time, for `loader=torch`: (transformed image, label)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Normalise):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.transform(self.images[index]), self.labels[index]
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack samples into a batch; a rank's share of a last, small batch may be empty."""
+    if not samples:
+        return torch.empty(0, 1, *IMAGE_SHAPE), torch.empty(0, dtype=torch.long)
+    images, labels = zip(*samples, strict=True)
+    return torch.stack(images), torch.stack(labels)

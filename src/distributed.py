@@ -326,12 +326,10 @@ def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DataParallel or DDP wrapper."""
-    return (
-        model.module
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
-        else model
-    )
+    """The plain model inside a DataParallel or DDP wrapper, and inside torch.compile's."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
 
 def shared_run_dir(proc: Process, run_dir: Path | None = None) -> Path:

@@ -21,11 +21,15 @@ from tqdm import tqdm
 
 from src import checkpoint
 from src.data import MNISTData
-from src.distributed import Process, unwrap
+from src.distributed import Process
 from src.errors import UserError
 from src.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
+
+
+PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def seed_everything(seed: int) -> None:
@@ -58,6 +62,9 @@ def check_config(cfg: DictConfig) -> None:
          "null or at least 1"),
         ("scheduler.interval", cfg.scheduler.get("interval") in ("epoch", "step"),
          "epoch or step"),
+        ("trainer.precision", str(cfg.trainer.precision) in PRECISIONS, "32, bf16 or 16"),
+        ("trainer.compile", cfg.trainer.compile in (True, False, *COMPILE_MODES),
+         f"true, false or a mode: {', '.join(COMPILE_MODES)}"),
         ("checkpoint.every_n_steps",
          cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
          "null or at least 1"),
@@ -72,6 +79,21 @@ def check_config(cfg: DictConfig) -> None:
             "ckpt_path is the checkpoint to evaluate with train=false. To continue training from "
             "it use resume=PATH; to start from its weights, init_from=PATH."
         )
+
+
+def speed_up(model: nn.Module, trainer: DictConfig) -> nn.Module:
+    """The plain model, channels-last and compiled as `trainer` asks; before any DDP wrapper."""
+    if trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if trainer.compile:
+        model = torch.compile(model, mode=None if trainer.compile is True else trainer.compile)
+    return model
+
+
+def autocast(device: torch.device, precision: Any) -> torch.autocast:
+    """Mixed precision for `trainer.precision` (bf16 or 16); a no-op for 32."""
+    dtype = PRECISIONS[str(precision)]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def build_scheduler(
@@ -132,7 +154,11 @@ def fit(
     trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
     last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
     first_epoch, epoch_step, step, best_acc, metrics = 1, 0, 0, -1.0, {}
+    # float16 gradients underflow without loss scaling; for other precisions the scaler is a no-op.
+    scaler = torch.amp.GradScaler(proc.device.type, enabled=str(trainer.precision) == "16")
+    layout = torch.channels_last if trainer.channels_last else torch.contiguous_format
     if resumed:
+        scaler.load_state_dict(resumed.get("scaler", {}))
         first_epoch, epoch_step, step = resumed["epoch"], resumed["epoch_step"], resumed["step"]
         best_acc, metrics = resumed["best_acc"], resumed["metrics"]
         if epoch_step >= data.steps_per_epoch:  # saved at the end of an epoch
@@ -148,7 +174,7 @@ def fit(
             checkpoint.save(
                 last, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
                 epoch_step=epoch_step, step=step, best_acc=best_acc, cfg=cfg, metrics=metrics,
-                wandb_id=logger.run_id if logger else None,
+                wandb_id=logger.run_id if logger else None, scaler=scaler,
             )  # fmt: skip
 
     def stop_now() -> NoReturn:
@@ -176,9 +202,12 @@ def fit(
             )
             for images, labels, global_size in data.train_batches(epoch, skip):
                 optimizer.zero_grad(set_to_none=True)
-                loss = train_loss(model(images), labels, global_size, proc.world_size)
-                loss.backward()
-                optimizer.step()
+                with autocast(proc.device, trainer.precision):
+                    logits = model(images.contiguous(memory_format=layout))
+                    loss = train_loss(logits, labels, global_size, proc.world_size)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
                 lr = optimizer.param_groups[0]["lr"]  # the rate this step used
                 if step_interval:
                     scheduler.step()
@@ -211,7 +240,7 @@ def fit(
             if not step_interval and epoch_step == data.steps_per_epoch:
                 scheduler.step()
 
-            metrics = evaluate_and_log(model, data, proc, logger, epoch, step)
+            metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
             was_best = metrics["test/acc"] > best_acc
             best_acc = max(best_acc, metrics["test/acc"])
             save(epoch, epoch_step)
@@ -232,11 +261,15 @@ def evaluate_and_log(
     logger: MetricsLogger | None,
     epoch: int,
     step: int,
+    trainer: DictConfig,
 ) -> dict[str, Any]:
     """Evaluate on the test split; print the result and log it at `step`."""
-    # Under DDP each rank evaluates its share with the plain model: DDP's forward may broadcast
+    # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
     # buffers, a collective that ranks with different numbers of batches would hang in.
-    metrics = evaluate(unwrap(model) if proc.mode == "ddp" else model, data, proc)
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    layout = torch.channels_last if trainer.channels_last else torch.contiguous_format
+    with autocast(proc.device, trainer.precision):
+        metrics = evaluate(inner, data, proc, layout)
     log.info(
         "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
         epoch,
@@ -263,12 +296,17 @@ def train_loss(
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, data: MNISTData, proc: Process) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    data: MNISTData,
+    proc: Process,
+    layout: torch.memory_format = torch.contiguous_format,
+) -> dict[str, Any]:
     """Test loss and accuracy over the whole test split, each image counted once across ranks."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for images, labels in data.test_batches():
-        logits = model(images)
+        logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
         correct += (logits.argmax(dim=1) == labels).sum().item()
         count += len(labels)

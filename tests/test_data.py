@@ -150,3 +150,42 @@ def test_offline_env_blocks_downloads(tmp_path):
     code = "import urllib.request as u; u.urlopen('http://example.com', timeout=5)"
     result = run([__import__("sys").executable, "-c", code], tmp_path, offline_env())
     assert result.returncode != 0
+
+
+@pytest.mark.parametrize(
+    ("world_size", "num_workers"), [(1, 0), (2, 0), pytest.param(2, 2, id="2-workers")]
+)
+def test_torch_loader_gives_the_tensor_loaders_batches(tiny_data, world_size, num_workers):
+    """data.loader=torch (a DataLoader, one sample at a time) yields, on every rank, the very
+    batches of data.loader=tensor: the same samples, order, normalisation and global sizes;
+    also when resuming in the middle of an epoch."""
+    for rank in range(world_size):
+        proc = Process(rank=rank, world_size=world_size)  # the collectives of one process suffice
+        fast, standard = mnist(tiny_data), mnist(tiny_data, loader="torch", num_workers=num_workers)
+        fast.setup(proc)
+        standard.setup(proc)
+        for epoch, skip in [(1, 0), (2, 0), (2, 2)]:
+            got = list(standard.train_batches(epoch, skip))
+            want = list(fast.train_batches(epoch, skip))
+            assert len(got) == len(want) == 4 - skip  # ceil(200 / 64) batches
+            for (images, labels, size), (images_, labels_, size_) in zip(got, want, strict=True):
+                assert torch.equal(images, images_) and torch.equal(labels, labels_)
+                assert size == size_
+        test_got, test_want = list(standard.test_batches()), list(fast.test_batches())
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(test_got, test_want, strict=True))
+
+
+def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
+    """201 images in batches of 4 over 4 ranks: the last batch holds 1 image, so 3 ranks get
+    none; the DataLoader path must give them an empty batch, as the tensor path does."""
+    make_dataset(tmp_path, train_size=201, test_size=8)
+    for rank in range(4):
+        data = mnist(tmp_path, loader="torch", batch_size=4)
+        data.setup(Process(rank=rank, world_size=4))
+        *_, (images, labels, size) = data.train_batches(1)
+        assert size == 1 and len(labels) == (rank == 0) and images.shape[1:] == (1, 28, 28)
+
+
+def test_unknown_loader_is_refused(tiny_data):
+    with pytest.raises(UserError, match="data.loader=fast is not a loader: use tensor or torch"):
+        mnist(tiny_data, loader="fast")
