@@ -17,11 +17,12 @@ import logging
 import math
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from src.distributed import Process
@@ -150,7 +151,8 @@ class MNISTData:
                         "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
         self.torchvision_class = torchvision_class
         self.download = download
-        self.normalise = Normalise(mean, std)  # also each sample's transform under loader=torch
+        self.mean, self.std = mean, std
+        self.normalise = Normalise(mean, std)
         self.num_classes = num_classes
         self.batch_size = batch_size
         self.test_batch_size = test_batch_size
@@ -190,7 +192,7 @@ class MNISTData:
             len(self.train[1]), self.batch_size, proc.rank, proc.world_size, self.seed
         )
         if self.loader == "torch":
-            dataset = IDXDataset(*self.train, self.normalise)
+            dataset = IDXDataset(*self.train, standard_transform(self.mean, self.std))
             self.train_loader = DataLoader(
                 dataset, batch_sampler=self.sampler, collate_fn=collate, **self.workers
             )
@@ -272,8 +274,11 @@ class MNISTData:
                 yield (images.to(self.device, non_blocking=True),
                        labels.to(self.device, non_blocking=True))  # fmt: skip
         else:
-            for indices in self.sampler:
-                index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            # The sampler's batches, cut from its permutation as one tensor: no per-sample Python.
+            order = torch.tensor(list(self.sampler.order), device=self.device)
+            size = self.batch_size
+            for start in range(self.sampler.skip * size, len(order), size):
+                index = order[start : start + size][self.rank :: self.world_size]
                 yield self.normalise(self.train[0][index]), self.train[1][index]
 
     def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -294,17 +299,27 @@ class Normalise:
         return images.float().div_(255).sub_(self.mean).div_(self.std)
 
 
-class IDXDataset(Dataset):
-    """One sample at a time, for `loader=torch`: (transformed image, label)."""
+def standard_transform(mean: float, std: float) -> Callable[[Image.Image], torch.Tensor]:
+    """torchvision's MNIST pipeline: PIL image → ToTensor() → Normalize(mean, std). Add
+    per-sample augmentation here (transforms.RandomRotation(10), ...)."""
+    from torchvision import transforms  # slow to import: only for loader=torch
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Normalise):
+    return transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
+
+
+class IDXDataset(Dataset):
+    """One sample at a time, as torchvision's MNIST dataset gives them: a PIL image, transformed,
+    and its label. The `loader=torch` path."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable):
         self.images, self.labels, self.transform = images, labels, transform
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.transform(self.images[index]), self.labels[index]
+        image = Image.fromarray(self.images[index, 0].numpy(), mode="L")
+        return self.transform(image), self.labels[index]
 
 
 def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import signal
 import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -90,10 +93,10 @@ def speed_up(model: nn.Module, trainer: DictConfig) -> nn.Module:
     return model
 
 
-def autocast(device: torch.device, precision: Any) -> torch.autocast:
-    """Mixed precision for `trainer.precision` (bf16 or 16); a no-op for 32."""
+def autocast(device: torch.device, precision: Any) -> AbstractContextManager:
+    """Mixed precision for `trainer.precision` (bf16 or 16); nothing at all for 32."""
     dtype = PRECISIONS[str(precision)]
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def build_scheduler(
@@ -193,6 +196,7 @@ def fit(
             model.train()
             skip = epoch_step if epoch == first_epoch else 0  # batches done before a resume
             epoch_step = skip
+            started, images_seen = time.perf_counter(), 0
             bar = tqdm(
                 initial=skip,
                 total=data.steps_per_epoch,
@@ -211,7 +215,7 @@ def fit(
                 lr = optimizer.param_groups[0]["lr"]  # the rate this step used
                 if step_interval:
                     scheduler.step()
-                step, epoch_step = step + 1, epoch_step + 1
+                step, epoch_step, images_seen = step + 1, epoch_step + 1, images_seen + global_size
                 bar.update()
                 if step % trainer.log_every_n_steps == 0:
                     # The mean over the global batch: the ranks' scaled losses average to it.
@@ -237,10 +241,13 @@ def fit(
                     if every and step % every == 0:
                         save(epoch, epoch_step)
             bar.close()
+            speed = throughput(started, images_seen, proc.device)
             if not step_interval and epoch_step == data.steps_per_epoch:
                 scheduler.step()
 
             metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
+            if logger:
+                logger.log({"step": step, "epoch": epoch, **speed})
             was_best = metrics["test/acc"] > best_acc
             best_acc = max(best_acc, metrics["test/acc"])
             save(epoch, epoch_step)
@@ -252,6 +259,21 @@ def fit(
                 log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
                 break
     return metrics
+
+
+def throughput(started: float, images: int, device: torch.device) -> dict[str, float]:
+    """The epoch's training time and speed (images of all ranks per second), and peak memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    speed = {
+        "time/train_s": seconds,
+        "time/images_per_s": images / seconds,
+        "memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if device.type == "cuda":
+        speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return speed
 
 
 def evaluate_and_log(

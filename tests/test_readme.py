@@ -1,6 +1,6 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
-The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run.
+The set-up commands (pip, apt-get), `pytest` itself and the benchmark are run by .ci/run.
 """
 
 import re
@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 README = (REPO / "README.md").read_text()
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
-SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync")
+SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py")
 
 
 def readme_commands() -> list[str]:

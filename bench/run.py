@@ -1,0 +1,174 @@
+"""Training speed side by side, measured in one run: images per second over one epoch of
+Fashion-MNIST for each configuration of the template, and for a bare hand-written loop over the
+same tensors (bench/bare.py), the ceiling the template's own overhead is measured against.
+
+    python bench/run.py                        # everything (CPU: about 15 minutes on 2 cores)
+    python bench/run.py --models mlp           # the MLP rows only
+
+Prints the table, and writes results.csv and images_per_s.png into bench/results/<date-time>/.
+Recipe: global batch 64, SGD lr 0.01, one epoch; `loader` is data.loader (torch = DataLoader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def configurations(models: list[str], workers: int) -> list[dict]:
+    rows = []
+    for model in models:
+        for nproc in (1, 2):
+            best = [
+                "data.loader=torch",
+                f"data.num_workers={workers}",
+                "data.persistent_workers=true",
+                "data.pin_memory=true",
+            ]
+            for loader, extra in [
+                ("torch, 0 workers", ["data.loader=torch", "data.num_workers=0"]),
+                (f"torch, {workers} workers", best),
+                ("tensor", ["data.loader=tensor"]),
+            ]:
+                rows.append({"model": model, "processes": nproc, "loader": loader, "extra": extra})
+            rows.append({"model": model, "processes": nproc, "loader": "bare loop", "extra": []})
+    return rows
+
+
+def measure(row: dict, root: str, folder: Path) -> dict:
+    """Run one configuration; its epoch's timing line from metrics.jsonl (or bare.py's output)."""
+    launcher = [sys.executable] if row["processes"] == 1 else [*TORCHRUN, "--nproc_per_node=2"]
+    if row["loader"] == "bare loop":
+        command = [
+            *launcher,
+            str(ROOT / "bench" / "bare.py"),
+            "--model",
+            row["model"],
+            "--root",
+            root,
+        ]
+    else:
+        name = f"{row['model']}-{row['processes']}-{row['loader']}"
+        run_dir = folder / "".join(c if c.isalnum() else "-" for c in name)
+        command = [
+            *launcher,
+            str(ROOT / "train.py"),
+            f"model={row['model']}",
+            "data=fashion_mnist",
+            f"data.root={root}",
+            "logger=none",
+            "checkpoint.save=false",
+            "trainer.epochs=1",
+            f"hydra.run.dir={run_dir}",
+            *row["extra"],
+            *(["parallel=ddp"] if row["processes"] > 1 else []),
+        ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    if row["loader"] == "bare loop":
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(line for line in lines if "time/images_per_s" in line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--root",
+        default="/usr/share/datasets/fashion-mnist",
+        help="folder with the Fashion-MNIST IDX files",
+    )
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="num_workers of the best DataLoader setting",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+
+    out = args.out / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out.mkdir(parents=True)
+    rows = configurations(args.models, args.workers)
+    with tempfile.TemporaryDirectory() as scratch:
+        for row in rows:
+            timing = measure(row, args.root, Path(scratch))
+            row["images_per_s"] = timing["time/images_per_s"]
+            row["train_s"] = timing["time/train_s"]
+            row["peak_rss_mb"] = timing["memory/peak_rss_mb"]
+            row["peak_cuda_mb"] = timing.get("memory/peak_cuda_mb", "")
+            print(
+                f"{row['model']:4} {row['processes']} process(es) {row['loader']:18} "
+                f"{row['images_per_s']:10,.0f} images/s",
+                flush=True,
+            )
+    for row in rows:  # each against the bare loop of its model and processes
+        bare = next(
+            r
+            for r in rows
+            if r["loader"] == "bare loop"
+            and (r["model"], r["processes"]) == (row["model"], row["processes"])
+        )
+        row["vs_bare_loop"] = row["images_per_s"] / bare["images_per_s"]
+    fields = [
+        "model",
+        "processes",
+        "loader",
+        "images_per_s",
+        "vs_bare_loop",
+        "train_s",
+        "peak_rss_mb",
+        "peak_cuda_mb",
+    ]
+    with (out / "results.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    table = markdown(rows)
+    (out / "table.md").write_text(table)
+    plot(rows, out / "images_per_s.png")
+    print(f"\n{table}\nWritten to {out}")
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| model | processes | loader | images/s | vs bare loop | peak RSS (MB) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['processes']} | {r['loader']} | {r['images_per_s']:,.0f} | "
+        f"{r['vs_bare_loop']:.2f} | {r['peak_rss_mb']:,.0f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib  # only the benchmark draws
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}, {r['processes']} proc, {r['loader']}" for r in rows]
+    figure, axes = plt.subplots(figsize=(8, 0.35 * len(rows) + 1))
+    colours = ["tab:grey" if r["loader"] == "bare loop" else "tab:blue" for r in rows]
+    axes.barh(labels[::-1], [r["images_per_s"] for r in rows][::-1], color=colours[::-1])
+    axes.set_xlabel("training images per second (one epoch of Fashion-MNIST)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
