@@ -17,7 +17,7 @@ from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src import checkpoint, distributed, launch
 from src.logger import open_logger
@@ -55,6 +55,10 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     try:
         run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
+        if proc.is_main:  # the config as this run uses it, interpolations resolved
+            config = OmegaConf.to_yaml(cfg, resolve=True)
+            log.info("Config:\n%s", config)
+            (run_dir / "config_resolved.yaml").write_text(config)
         # (path, checkpoint): the one training continues from, else the one whose weights it
         # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
         resumed = checkpoint.find_resume(cfg, run_dir, proc)

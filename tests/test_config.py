@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run
+from conftest import REPO, ok, read_metrics, run, run_dirs, train
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
@@ -163,3 +163,55 @@ def test_values_training_cannot_use_are_refused(override, message):
     check_config(compose_config())  # the defaults pass
     with pytest.raises(UserError, match=message):
         check_config(compose_config(override))
+
+
+@pytest.mark.parametrize(
+    ("experiment", "expected"),
+    [
+        (
+            "examples_mnist",
+            {
+                "model._target_": "src.models.CNN",
+                "optimizer.lr": 1.0,
+                "optimizer._target_": "torch.optim.Adadelta",
+                "scheduler.gamma": 0.7,
+                "scheduler.step_size": 1,
+                "data.batch_size": 64,
+                "trainer.epochs": 14,
+                "seed": 1,
+                "data.torchvision_class": "MNIST",
+            },
+        ),
+        (
+            "fashion_mlp",
+            {"model._target_": "src.models.MLP", "data.torchvision_class": "FashionMNIST"},
+        ),
+        (
+            "fashion_cnn",
+            {"model._target_": "src.models.CNN", "data.torchvision_class": "FashionMNIST"},
+        ),
+    ],
+)
+def test_experiments_set_their_recipe(experiment, expected):
+    cfg = compose_config(f"experiment={experiment}")
+    assert {key: OmegaConf.select(cfg, key) for key in expected} == expected
+    # Command-line overrides still win over the experiment.
+    assert compose_config(f"experiment={experiment}", "trainer.epochs=2").trainer.epochs == 2
+
+
+def test_debug_fast_and_overfit_compose():
+    fast = compose_config("debug=fast")
+    assert (fast.trainer.max_steps, fast.checkpoint.save, fast.logger._target_) == (5, False, None)
+    overfit = compose_config("debug=overfit")
+    assert overfit.data.subset == overfit.data.batch_size == 32
+
+
+def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
+    overrides = ["debug=overfit", "trainer.log_every_n_steps=1", "tags=[smoke,overfit]"]
+    ok(train([f"data.root={tiny_data}", *overrides], tmp_path))
+    (run_dir,) = run_dirs(tmp_path)
+    steps, _ = read_metrics(run_dir)
+    assert steps[0]["train/loss"] > 1.0 and steps[-1]["train/loss"] < 0.05, steps[-1]
+    saved = OmegaConf.load(run_dir / "config_resolved.yaml")
+    assert (saved.task_name, list(saved.tags)) == ("train", ["smoke", "overfit"])
+    assert not (run_dir / "checkpoints").exists()
