@@ -19,7 +19,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import checkpoint, distributed, launch
+from src import checkpoint, distributed, launch, plots
 from src.logger import open_logger
 from src.training import (
     build_scheduler,
@@ -84,6 +84,10 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             else:
                 epoch, step = weights[1].get("epoch", 0), weights[1].get("step", 0)
                 metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
+            if cfg.plots and proc.is_main:
+                pictures = plots.draw(run_dir, distributed.unwrap(model), data)
+                if logger:
+                    logger.log_images(pictures)
         proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()

@@ -142,6 +142,7 @@ class MNISTData:
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        class_names: list[str] | None = None,
     ):
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
@@ -154,6 +155,7 @@ class MNISTData:
         self.mean, self.std = mean, std
         self.normalise = Normalise(mean, std)
         self.num_classes = num_classes
+        self.class_names = list(class_names) if class_names else None
         self.batch_size = batch_size
         self.test_batch_size = test_batch_size
         self.subset = subset

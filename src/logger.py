@@ -46,6 +46,11 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(metrics)
 
+    def log_images(self, paths: list[Path]) -> None:
+        """Hand pictures of the run to the tracker (metrics.jsonl keeps no images)."""
+        if self.tracker is not None:
+            self.tracker.log_images(paths)
+
     @property
     def run_id(self) -> str | None:
         """The tracker's id of this run (wandb's run id), if it has one."""
@@ -116,6 +121,16 @@ class WandbTracker:
         except Exception as err:  # noqa: BLE001
             log.warning("wandb.log failed (%s); logging to metrics.jsonl only from now on.", err)
             self.finish(exit_code=1)
+
+    def log_images(self, paths: list[Path]) -> None:
+        if self.run is None:
+            return
+        import wandb
+
+        try:
+            self.run.log({path.stem: wandb.Image(str(path)) for path in paths})
+        except Exception as err:  # noqa: BLE001
+            log.warning("wandb could not log the pictures (%s).", err)
 
     def finish(self, exit_code: int = 0) -> None:
         run, self.run = self.run, None

@@ -51,6 +51,7 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
     if words[0] == "python":
         words[0] = sys.executable
     words += [f"data.root={tiny_data}", "trainer.max_steps=2", f"paths.log_dir={tmp_path}/outputs"]
+    words += ["plots=false"]  # tests/test_train.py checks the pictures
     ok(run(words, cwd=REPO, env=env, timeout=300))
     runs = [p.parent for p in (tmp_path / "outputs").rglob("metrics.jsonl")]
     assert runs and all(read_metrics(r)[1] for r in runs), "every run evaluated"

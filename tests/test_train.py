@@ -271,3 +271,15 @@ def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4), (ours, ref)
     saved = torch.load(single_run(tmp_path / "compiled") / "checkpoints" / "last.pt")
     assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+
+def test_pictures_of_the_run_are_drawn_and_logged_to_wandb(tmp_path, tiny_data):
+    """curves.png and predictions.png by rank 0 of a DDP run, also logged to the wandb run."""
+    env = offline_env(HOME=str(tmp_path / "home"))
+    overrides = ["data=fashion_mnist", f"data.root={tiny_data}", "parallel=ddp", "plots=true"]
+    ok(train(overrides, tmp_path, nproc=2, env=env))
+    run_dir = single_run(tmp_path)
+    for picture in ("curves.png", "predictions.png"):
+        assert (run_dir / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = wandb_summary(run_dir)["summary"]
+    assert {"curves", "predictions"} <= set(summary), summary

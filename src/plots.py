@@ -1,0 +1,70 @@
+"""Pictures of a finished run, drawn by the main process: `curves.png` (the metrics over the run)
+and `predictions.png` (test images with the model's labels). matplotlib is imported only here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from src.data import MNISTData
+
+
+def draw(run_dir: Path, model: nn.Module, data: MNISTData) -> list[Path]:
+    """Write both pictures into `run_dir`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [curves(records, run_dir / "curves.png"), predictions(model, data, run_dir)]
+
+
+def curves(records: list[dict[str, Any]], path: Path) -> Path:
+    """Training loss per step; test loss and accuracy per epoch."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [r for r in records if "train/loss" in r]
+    evals = [r for r in records if "test/acc" in r]
+    figure, (loss_axes, acc_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_axes.plot([r["step"] for r in steps], [r["train/loss"] for r in steps], label="train")
+    loss_axes.plot([r["step"] for r in evals], [r["test/loss"] for r in evals], "o-", label="test")
+    loss_axes.set(xlabel="optimizer step", ylabel="cross-entropy loss", title="Loss")
+    loss_axes.legend()
+    acc_axes.plot([r["epoch"] for r in evals], [r["test/acc"] for r in evals], "o-")
+    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy")
+    acc_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+@torch.inference_mode()
+def predictions(model: nn.Module, data: MNISTData, run_dir: Path, count: int = 32) -> Path:
+    """The first `count` test images, each titled with the predicted and the true label; the
+    wrong ones in red."""
+    import matplotlib.pyplot as plt
+
+    model.eval()
+    images, labels = data.test[0][:count], data.test[1][:count]
+    predicted = model(data.normalise(images.to(data.device))).argmax(dim=1).cpu()
+    names = data.class_names or [str(i) for i in range(data.num_classes)]
+    columns = 8
+    figure, grid = plt.subplots(-(-count // columns), columns, figsize=(columns * 1.4, 4 * 1.6))
+    for axes, image, guess, truth in zip(
+        grid.flat, images.cpu(), predicted.tolist(), labels.tolist(), strict=False
+    ):
+        axes.imshow(image[0], cmap="gray")
+        wrong = guess != truth
+        title = f"{names[guess]}" + (f"\n(true: {names[truth]})" if wrong else "")
+        axes.set_title(title, fontsize=7, color="red" if wrong else "black")
+        axes.axis("off")
+    figure.tight_layout()
+    path = run_dir / "predictions.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
