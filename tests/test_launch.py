@@ -51,6 +51,7 @@ def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
     ok(result)
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
     assert [job.name for job in jobs] == ["0", "1"]
+    assert "Sweep summary" in printed(result) and (jobs[0].parent / "summary.csv").is_file()
     for job, lr in zip(jobs, [0.1, 0.01], strict=True):
         steps, evals = read_metrics(job)
         assert [m["lr"] for m in steps] == [lr] * 3 and evals

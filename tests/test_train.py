@@ -1,5 +1,6 @@
 """Real training runs: python train.py and torchrun subprocesses (gloo on CPU) on tiny IDX files."""
 
+import csv
 import json
 import math
 import subprocess
@@ -178,6 +179,11 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert len(list(good.glob("wandb/offline-run-*"))) == 1
     assert len(list(bad.glob("wandb/offline-run-*"))) == 1
     assert (wandb_summary(good)["state"], wandb_summary(bad)["state"]) == ("finished", "failed")
+    with (good.parent / "summary.csv").open() as file:  # the sweep's summary, best job first
+        rows = list(csv.DictReader(file))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "completed"), ("1", "failed")]
+    assert float(rows[0]["test/acc"]) == read_metrics(good)[1][-1]["test/acc"]
+    assert "data.batch_size=32" in rows[0]["overrides"] and float(rows[0]["wall_s"]) > 0
 
 
 def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
