@@ -68,6 +68,8 @@ def check_config(cfg: DictConfig) -> None:
         ("trainer.precision", str(cfg.trainer.precision) in PRECISIONS, "32, bf16 or 16"),
         ("trainer.compile", cfg.trainer.compile in (True, False, *COMPILE_MODES),
          f"true, false or a mode: {', '.join(COMPILE_MODES)}"),
+        ("trainer.profile", cfg.trainer.profile is None or cfg.trainer.profile >= 1,
+         "null or at least 1"),
         ("checkpoint.every_n_steps",
          cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
          "null or at least 1"),
@@ -191,7 +193,7 @@ def fit(
         )
 
     every, stop = cfg.checkpoint.every_n_steps, False
-    with StopSignals() as signals:
+    with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
         for epoch in range(first_epoch, trainer.epochs + 1):
             model.train()
             skip = epoch_step if epoch == first_epoch else 0  # batches done before a resume
@@ -217,6 +219,8 @@ def fit(
                     scheduler.step()
                 step, epoch_step, images_seen = step + 1, epoch_step + 1, images_seen + global_size
                 bar.update()
+                if profile:
+                    profile.step()
                 if step % trainer.log_every_n_steps == 0:
                     # The mean over the global batch: the ranks' scaled losses average to it.
                     # The same reduction tells every rank whether any was asked to stop.
@@ -259,6 +263,24 @@ def fit(
                 log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
                 break
     return metrics
+
+
+def profiler(steps: int | None, run_dir: Path, proc: Process) -> AbstractContextManager:
+    """`trainer.profile=N`: a torch.profiler trace of N training steps (after one to warm up),
+    one file per rank in `profile/` of the run folder, for TensorBoard or Perfetto."""
+    if not steps:
+        return nullcontext()
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU]
+    if proc.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(str(run_dir / "profile"), f"rank{proc.rank}"),
+        record_shapes=True,
+    )
 
 
 def throughput(started: float, images: int, device: torch.device) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """The config tree, composed with Hydra's compose API exactly as train.py composes it."""
 
+import json
 import re
 import sys
 
@@ -215,3 +216,12 @@ def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
     saved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert (saved.task_name, list(saved.tags)) == ("train", ["smoke", "overfit"])
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
+    ok(train([f"data.root={tiny_data}", "debug=profile"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path)
+    (trace,) = (run_dir / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("ProfilerStep#") for n in names) and "aten::linear" in names
