@@ -225,3 +225,29 @@ def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("ProfilerStep#") for n in names) and "aten::linear" in names
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [[], pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], marks=pytest.mark.slow)],
+)
+def test_optuna_search_maximises_test_accuracy(tmp_path, tiny_data, parallel):
+    """A 2-trial TPE search (requirements-optuna.txt); under parallel=ddp, DDP groups."""
+    result = train(
+        [
+            "-m",
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2",
+            f"data.root={tiny_data}",
+            "logger=none",
+            "trainer.max_steps=3",
+            *parallel,
+        ],
+        tmp_path,
+    )
+    ok(result)
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    accuracies = [read_metrics(job)[1][-1]["test/acc"] for job in sorted(sweep_dir.glob("[0-9]"))]
+    assert len(accuracies) == 2 and best.best_value == max(accuracies)
+    assert set(best.best_params) == {"optimizer", "optimizer.lr", "data.batch_size"}

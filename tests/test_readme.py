@@ -52,6 +52,8 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
         words[0] = sys.executable
     words += [f"data.root={tiny_data}", "trainer.max_steps=2", f"paths.log_dir={tmp_path}/outputs"]
     words += ["plots=false"]  # tests/test_train.py checks the pictures
+    if "hparams_search=optuna" in words:
+        words += ["hydra.sweeper.n_trials=2"]  # as max_steps: enough to show it runs
     ok(run(words, cwd=REPO, env=env, timeout=300))
     runs = [p.parent for p in (tmp_path / "outputs").rglob("metrics.jsonl")]
     assert runs and all(read_metrics(r)[1] for r in runs), "every run evaluated"
@@ -67,8 +69,10 @@ SPECIAL = SEQUENCE + MACHINES + SLURM
 @pytest.mark.parametrize(
     "command",
     [
-        # Self-launched DDP commands are slow here; tests/test_launch.py covers them by default.
-        pytest.param(c, marks=pytest.mark.slow) if "parallel.nproc_per_node" in c else c
+        # Self-launched DDP and searches are slow here; test_launch/test_config cover them.
+        pytest.param(c, marks=pytest.mark.slow)
+        if "parallel.nproc_per_node" in c or "hparams_search" in c
+        else c
         for c in readme_commands()
         if c.startswith(RUNS) and c not in SPECIAL
     ],
