@@ -7,9 +7,9 @@ when it ends, so the summary also covers jobs that launchers ran in other proces
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +18,12 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-log = logging.getLogger(__name__)
 FIELDS = ["job", "overrides", "test/acc", "test/loss", "wall_s", "status", "folder"]
 
 
 class SweepSummary(Callback):
+    printer = None  # the exit hook that prints the table if the sweep stops on a failure
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.monotonic()
 
@@ -41,18 +42,27 @@ class SweepSummary(Callback):
             "folder": str(folder),
         }
         (folder / "job.json").write_text(json.dumps(job))
-        # Rewritten after every job: a sweep that stops on a failed job still has its summary.
-        _write(Path(config.hydra.sweep.dir))
+        # Rewritten after every job: a sweep that stops on a failed job still has its summary,
+        # and Hydra then skips on_multirun_end, so the table is printed on the way out instead.
+        sweep_dir = Path(config.hydra.sweep.dir)
+        _write(sweep_dir)
+        if not self.printer:
+            self.printer = atexit.register(_print, sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        jobs = _write(sweep_dir)
-        lines = [f"{'acc':>7} {'loss':>8} {'wall s':>7} {'status':9} overrides"]
-        for j in jobs:
-            acc = f"{j['test/acc']:.4f}" if j["test/acc"] is not None else "-"
-            loss = f"{j['test/loss']:.4f}" if j["test/loss"] is not None else "-"
-            lines.append(f"{acc:>7} {loss:>8} {j['wall_s']:>7} {j['status']:9} {j['overrides']}")
-        log.info("Sweep summary (%s):\n%s", sweep_dir / "summary.csv", "\n".join(lines))
+        if self.printer:
+            atexit.unregister(self.printer)
+        _print(Path(config.hydra.sweep.dir))
+
+
+def _print(sweep_dir: Path) -> None:
+    jobs = _write(sweep_dir)
+    lines = [f"{'acc':>7} {'loss':>8} {'wall s':>7} {'status':9} overrides"]
+    for j in jobs:
+        acc = f"{j['test/acc']:.4f}" if j["test/acc"] is not None else "-"
+        loss = f"{j['test/loss']:.4f}" if j["test/loss"] is not None else "-"
+        lines.append(f"{acc:>7} {loss:>8} {j['wall_s']:>7} {j['status']:9} {j['overrides']}")
+    print(f"Sweep summary ({sweep_dir / 'summary.csv'}):\n" + "\n".join(lines), flush=True)
 
 
 def _write(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -184,6 +184,7 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert [(r["job"], r["status"]) for r in rows] == [("0", "completed"), ("1", "failed")]
     assert float(rows[0]["test/acc"]) == read_metrics(good)[1][-1]["test/acc"]
     assert "data.batch_size=32" in rows[0]["overrides"] and float(rows[0]["wall_s"]) > 0
+    assert result.stdout.count("Sweep summary") == 1  # printed also when a job failed
 
 
 def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
