@@ -101,6 +101,20 @@ def train(
     return run(command, cwd=tmp_path, env=env)
 
 
+def torchrun_through_shell(
+    script: str, overrides: list[str], outputs: Path, *torchrun_args: str
+) -> list[str]:
+    """torchrun (2 processes) starting each worker as `sh -c '<script>; exec python "$@"'` on
+    train.py and the overrides: a per-rank twist (a late start, a bad value, a freeze) on a real
+    run. torchrun substitutes $-templates in its arguments: the script writes the shell's $$ as
+    $$$$."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        *torchrun_args, "--no-python", "sh", "-c", f'{script}; exec {sys.executable} "$@"', "sh",
+        str(REPO / "train.py"), *overrides, "plots=false", f"paths.log_dir={outputs}",
+    ]  # fmt: skip
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, (
         f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"

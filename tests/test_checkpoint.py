@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, offline_env, ok, read_metrics, run, train
+from conftest import REPO, offline_env, ok, read_metrics, run, torchrun_through_shell, train
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 
@@ -225,26 +225,11 @@ def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folde
     outputs = tmp_path / "killed" / "outputs"
     # After the restart rank 1 joins first, where what the first attempt left in torchrun's store
     # would send it to the dead rank 0 (see distributed._attempt_store).
-    restarted_rank_0_starts_late = (
-        f'[ "$RANK$TORCHELASTIC_RESTART_COUNT" = 01 ] && sleep 2; exec {sys.executable} "$@"'
-    )
+    restarted_rank_0_starts_late = '[ "$RANK$TORCHELASTIC_RESTART_COUNT" = 01 ] && sleep 2'
     agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--max-restarts=1",
-            "--no-python",
-            "sh",
-            "-c",
-            restarted_rank_0_starts_late,
-            "sh",
-            str(REPO / "train.py"),
-            *overrides,
-            f"paths.log_dir={outputs}",
-        ],
+        torchrun_through_shell(
+            restarted_rank_0_starts_late, overrides, outputs, "--max-restarts=1"
+        ),
         cwd=tmp_path,
         env=offline_env(),
         stdout=subprocess.PIPE,

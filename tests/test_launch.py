@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, offline_env, ok, read_metrics, run, run_dirs, train
+from conftest import (
+    REPO,
+    offline_env,
+    ok,
+    read_metrics,
+    run,
+    run_dirs,
+    torchrun_through_shell,
+    train,
+)
 from hydra import compose, initialize_config_dir
 from test_train import wandb_summary
 
@@ -133,26 +142,14 @@ def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
 def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
     """Only rank 1 gets a bad value; rank 0 waits for it at the rendezvous until torchrun stops
     it. The command fails within 30 s and shows rank 1's message."""
-    rank_1_is_wrong = f'[ "$RANK" = 1 ] && set -- "$@" data.subset=0; exec {sys.executable} "$@"'
+    rank_1_is_wrong = '[ "$RANK" = 1 ] && set -- "$@" data.subset=0'
     started = time.monotonic()
     result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--no-python",
-            "sh",
-            "-c",
+        torchrun_through_shell(
             rank_1_is_wrong,
-            "sh",
-            str(REPO / "train.py"),
-            f"data.root={tiny_data}",
-            "logger=none",
-            "parallel=ddp",
-            f"paths.log_dir={tmp_path / 'outputs'}",
-        ],
+            [f"data.root={tiny_data}", "logger=none", "parallel=ddp"],
+            tmp_path / "outputs",
+        ),
         cwd=tmp_path,
     )
     assert time.monotonic() - started < 30
@@ -166,25 +163,13 @@ def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
 def test_a_bug_in_every_worker_is_shown_once_with_its_traceback(tmp_path, tiny_data):
     """Not a user mistake: the models differ between ranks, which DDP refuses with a
     RuntimeError; one traceback, the first failing rank's, is printed."""
-    rank_1_differs = f'[ "$RANK" = 1 ] && set -- "$@" model.hidden=64; exec {sys.executable} "$@"'
+    rank_1_differs = '[ "$RANK" = 1 ] && set -- "$@" model.hidden=64'
     result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--no-python",
-            "sh",
-            "-c",
+        torchrun_through_shell(
             rank_1_differs,
-            "sh",
-            str(REPO / "train.py"),
-            f"data.root={tiny_data}",
-            "logger=none",
-            "parallel=ddp",
-            f"paths.log_dir={tmp_path / 'outputs'}",
-        ],
+            [f"data.root={tiny_data}", "logger=none", "parallel=ddp"],
+            tmp_path / "outputs",
+        ),
         cwd=tmp_path,
     )
     assert result.returncode != 0
@@ -305,33 +290,18 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
 def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path, tiny_data):
     """Rank 1 is frozen (SIGSTOP) during training: rank 0's next collective fails after
     parallel.timeout=5 seconds instead of waiting the default 30 minutes."""
-    # torchrun substitutes $-templates in arguments ($$ gives $), hence $$$$ for the shell's $$.
-    freeze_rank_1 = (
-        f'if [ "$RANK" = 1 ]; then (sleep 4; kill -STOP $$$$) & fi; exec {sys.executable} "$@"'
-    )
+    freeze_rank_1 = 'if [ "$RANK" = 1 ]; then (sleep 4; kill -STOP $$$$) & fi'
+    overrides = [
+        f"data.root={tiny_data}",
+        "logger=none",
+        "parallel=ddp",
+        "parallel.timeout=5",
+        "data.batch_size=8",
+        "trainer.epochs=1000",
+    ]
     started = time.monotonic()
     result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--no-python",
-            "sh",
-            "-c",
-            freeze_rank_1,
-            "sh",
-            str(REPO / "train.py"),
-            f"data.root={tiny_data}",
-            "logger=none",
-            "parallel=ddp",
-            "parallel.timeout=5",
-            "data.batch_size=8",
-            "trainer.epochs=1000",
-            f"paths.log_dir={tmp_path / 'outputs'}",
-        ],
-        cwd=tmp_path,
+        torchrun_through_shell(freeze_rank_1, overrides, tmp_path / "outputs"), cwd=tmp_path
     )
     assert result.returncode != 0
     assert "Timed out waiting 5000ms" in printed(result).split("Root Cause")[1]

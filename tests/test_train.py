@@ -8,7 +8,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, offline_env, ok, read_metrics, run, run_dirs, train
+from conftest import (
+    REPO,
+    offline_env,
+    ok,
+    read_metrics,
+    run,
+    run_dirs,
+    torchrun_through_shell,
+    train,
+)
 
 SMOKE = ["logger=none", "trainer.epochs=2", "trainer.log_every_n_steps=1"]
 
@@ -128,25 +137,11 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
         f"data.root={tiny_data}",
         "parallel=ddp",
         "trainer.log_every_n_steps=1",
-        f"paths.log_dir={tmp_path / 'outputs'}",
     ]
-    delayed_start = f'[ "$LOCAL_RANK" = 1 ] && sleep 2; exec {sys.executable} "$@"'
+    delayed_start = '[ "$LOCAL_RANK" = 1 ] && sleep 2'
     ok(
         run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                "--no-python",
-                "sh",
-                "-c",
-                delayed_start,
-                "sh",
-                str(REPO / "train.py"),
-                *overrides,
-            ],
+            torchrun_through_shell(delayed_start, overrides, tmp_path / "outputs"),
             cwd=tmp_path,
             env=env,
         )
