@@ -277,7 +277,8 @@ def test_checkpoints_load_into_every_parallel_mode(tmp_path, tiny_data):
             assert evaluation["test/acc"] == accuracy, (saved, loaded)
 
 
-@pytest.mark.parametrize("prefix", ["module.", pytest.param("_orig_mod.", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod."])
 def test_init_from_a_bare_state_dict_of_a_wrapped_model(tmp_path, tiny_data, prefix):
     """A foreign file: `torch.save(ddp_model.state_dict())` or a compiled model's. With lr=0 the
     weights stay as loaded, so the run's last.pt shows exactly what init_from put in."""
@@ -303,6 +304,7 @@ def test_init_from_a_bare_state_dict_of_a_wrapped_model(tmp_path, tiny_data, pre
         assert torch.equal(tuned["model"][key], tensor), key
 
 
+@pytest.mark.slow
 def test_train_false_evaluates_a_checkpoint(tmp_path, tiny_data):
     ok(train([f"data.root={tiny_data}", *RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
     result = ok(

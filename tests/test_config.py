@@ -218,6 +218,7 @@ def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
     assert not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
     ok(train([f"data.root={tiny_data}", "debug=profile"], tmp_path))
     (run_dir,) = run_dirs(tmp_path)
@@ -229,7 +230,10 @@ def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
 
 @pytest.mark.parametrize(
     "parallel",
-    [[], pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], marks=pytest.mark.slow)],
+    [
+        pytest.param([], marks=pytest.mark.slow),
+        pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], marks=pytest.mark.slow),
+    ],
 )
 def test_optuna_search_maximises_test_accuracy(tmp_path, tiny_data, parallel):
     """A 2-trial TPE search (requirements-optuna.txt); under parallel=ddp, DDP groups."""

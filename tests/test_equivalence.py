@@ -125,7 +125,8 @@ def test_ddp_evaluation_is_exact_with_3_processes(tmp_path, tiny_data):
     assert math.isclose(logged["test/loss"], single["test/loss"], rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("nproc", [None, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [None, 2])
 def test_deterministic_runs_are_bitwise_identical(tmp_path, tiny_data, nproc):
     """trainer.deterministic=true: the CNN, dropout on, trained twice gives the very same bits."""
     overrides = [
@@ -155,6 +156,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data):
     """Two torchrun agents, as on two machines (here both on 127.0.0.1), 2 processes each, meet
     through torchrun's c10d rendezvous: 4 ranks, one run folder, one wandb run, and the same

@@ -210,6 +210,7 @@ def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
     assert read_metrics(single_run(tmp_path))[1]
 
 
+@pytest.mark.slow
 def test_torch_loader_trains_exactly_like_the_tensor_loader(tmp_path, tiny_data):
     """data.loader=torch with 2 worker processes: the same metrics, to the last bit."""
     metrics = {}
@@ -219,7 +220,8 @@ def test_torch_loader_trains_exactly_like_the_tensor_loader(tmp_path, tiny_data)
     assert metrics["torch"] == metrics["tensor"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("16", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "16"])
 def test_mixed_precision_trains_the_cnn(tmp_path, tiny_data, precision):
     """bf16 autocast, and float16 autocast with its gradient scaler (saved for resuming)."""
     overrides = [
@@ -275,6 +277,7 @@ def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_
     assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
 
+@pytest.mark.slow
 def test_pictures_of_the_run_are_drawn_and_logged_to_wandb(tmp_path, tiny_data):
     """curves.png and predictions.png by rank 0 of a DDP run, also logged to the wandb run."""
     env = offline_env(HOME=str(tmp_path / "home"))
