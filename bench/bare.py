@@ -60,9 +60,9 @@ def main() -> None:
     started = time.perf_counter()
     for first in range(0, len(labels), args.batch_size):
         index = order[first : first + args.batch_size][rank::world].to(device)
-        x = images[index].float().div_(255).sub_(0.2860).div_(0.3530)
+        x = images.index_select(0, index).float().div_(255).sub_(0.2860).div_(0.3530)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), labels[index])
+        loss = F.cross_entropy(model(x), labels.index_select(0, index))
         loss.backward()
         optimizer.step()
     if device.type == "cuda":

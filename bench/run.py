@@ -4,6 +4,7 @@ same tensors (bench/bare.py), the ceiling the template's own overhead is measure
 
     python bench/run.py                        # everything (CPU: about 15 minutes on 2 cores)
     python bench/run.py --models mlp           # the MLP rows only
+    python bench/run.py --repeats 1            # one run of each instead of the median of three
 
 Prints the table, and writes results.csv and images_per_s.png into bench/results/<date-time>/.
 Recipe: global batch 64, SGD lr 0.01, one epoch; `loader` is data.loader (torch = DataLoader).
@@ -96,6 +97,12 @@ def main() -> None:
         default=min(4, os.cpu_count() or 1),
         help="num_workers of the best DataLoader setting",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each configuration, taken in turn; the table shows their median",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
@@ -103,17 +110,23 @@ def main() -> None:
     out.mkdir(parents=True)
     rows = configurations(args.models, args.workers)
     with tempfile.TemporaryDirectory() as scratch:
-        for row in rows:
-            timing = measure(row, args.root, Path(scratch))
-            row["images_per_s"] = timing["time/images_per_s"]
-            row["train_s"] = timing["time/train_s"]
-            row["peak_rss_mb"] = timing["memory/peak_rss_mb"]
-            row["peak_cuda_mb"] = timing.get("memory/peak_cuda_mb", "")
-            print(
-                f"{row['model']:4} {row['processes']} process(es) {row['loader']:18} "
-                f"{row['images_per_s']:10,.0f} images/s",
-                flush=True,
-            )
+        # In turn, so that a machine slowing down or speeding up touches every row alike.
+        for repeat in range(1, args.repeats + 1):
+            for row in rows:
+                timing = measure(row, args.root, Path(scratch))
+                row.setdefault("runs", []).append(timing)
+                print(
+                    f"run {repeat}/{args.repeats}: {row['model']:4} {row['processes']} "
+                    f"process(es) {row['loader']:18} {timing['time/images_per_s']:10,.0f} images/s",
+                    flush=True,
+                )
+    for row in rows:
+        runs = sorted(row["runs"], key=lambda timing: timing["time/images_per_s"])
+        middle = runs[len(runs) // 2]  # the median run (the faster middle one of an even count)
+        row["images_per_s"] = middle["time/images_per_s"]
+        row["train_s"] = middle["time/train_s"]
+        row["peak_rss_mb"] = max(timing["memory/peak_rss_mb"] for timing in runs)
+        row["peak_cuda_mb"] = max((t.get("memory/peak_cuda_mb", 0) for t in runs), default=0) or ""
     for row in rows:  # each against the bare loop of its model and processes
         bare = next(
             r

@@ -18,12 +18,11 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from itertools import islice
 from pathlib import Path
 
 import torch
 from PIL import Image
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from src.distributed import Process
 from src.errors import UserError
@@ -98,24 +97,32 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
-        self.order = DistributedSampler(
-            range(num_samples), num_replicas=1, rank=0, shuffle=True, seed=seed
-        )
-        self.batches = BatchSampler(self.order, batch_size, drop_last=False)
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.skip = 0
+        self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Epoch `epoch`'s order, leaving out its first `skip` batches (done before a resume)."""
-        self.order.set_epoch(epoch)
-        self.skip = skip
+        self.epoch, self.skip = epoch, skip
+
+    def permutation(self) -> torch.Tensor:
+        """The epoch's order of all samples: the draw of DistributedSampler(shuffle=True)."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def index_batches(self, device: torch.device | None = None) -> Iterator[torch.Tensor]:
+        """This rank's shares as index tensors on `device`, cut from one permutation tensor."""
+        order = self.permutation().to(device)
+        size = self.batch_size
+        for start in range(self.skip * size, self.num_samples, size):
+            yield order[start : start + size][self.rank :: self.world_size]
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return math.ceil(self.num_samples / self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in islice(self.batches, self.skip, None):
-            yield batch[self.rank :: self.world_size]
+        for index in self.index_batches():
+            yield index.tolist()
 
 
 class MNISTData:
@@ -276,12 +283,10 @@ class MNISTData:
                 yield (images.to(self.device, non_blocking=True),
                        labels.to(self.device, non_blocking=True))  # fmt: skip
         else:
-            # The sampler's batches, cut from its permutation as one tensor: no per-sample Python.
-            order = torch.tensor(list(self.sampler.order), device=self.device)
-            size = self.batch_size
-            for start in range(self.sampler.skip * size, len(order), size):
-                index = order[start : start + size][self.rank :: self.world_size]
-                yield self.normalise(self.train[0][index]), self.train[1][index]
+            for index in self.sampler.index_batches(self.device):  # no per-sample Python
+                # index_select: the same rows as images[index], several times faster on a CPU.
+                images, labels = (t.index_select(0, index) for t in self.train)
+                yield self.normalise(images), labels
 
     def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's test images (every world_size-th one), in batches of test_batch_size."""

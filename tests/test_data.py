@@ -53,7 +53,7 @@ def test_loads_splits_onto_the_device(tmp_path):
     x, y, n = next(data.train_batches(1))
     assert x.shape == (50, 1, 28, 28) and x.dtype == torch.float32 and n == 50
     # Normalised as torchvision's ToTensor() + Normalize(mean, std) would.
-    first = data.sampler.order.__iter__().__next__()
+    first = data.sampler.permutation()[0]
     assert torch.allclose(x[0], (images[first].float() / 255 - 0.1307) / 0.3081)
 
 
