@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -9,7 +10,9 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,7 +27,7 @@ from tqdm import tqdm
 
 from src import checkpoint
 from src.data import MNISTData
-from src.distributed import Process
+from src.distributed import Process, unwrap
 from src.errors import UserError
 from src.logger import MetricsLogger
 
@@ -70,6 +73,7 @@ def check_config(cfg: DictConfig) -> None:
          f"true, false or a mode: {', '.join(COMPILE_MODES)}"),
         ("trainer.profile", cfg.trainer.profile is None or cfg.trainer.profile >= 1,
          "null or at least 1"),
+        ("trainer.warmup_steps", cfg.trainer.warmup_steps >= 0, "0 or more"),
         ("checkpoint.every_n_steps",
          cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
          "null or at least 1"),
@@ -195,7 +199,23 @@ def fit(
             f"Run the same command with hydra.run.dir={run_dir} to resume."
         )
 
-    every, stop = cfg.checkpoint.every_n_steps, False
+    def train_step(images: torch.Tensor, labels: torch.Tensor, global_size: int) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(proc.device, precision):
+            logits = model(images.contiguous(memory_format=layout))
+            loss = train_loss(logits, labels, global_size, proc.world_size)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    if trainer.warmup_steps:
+        seconds = warm_up(train_step, model, optimizer, scaler, data, proc, trainer)
+        log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
+        if logger:
+            logger.log({"step": step, "time/warmup_s": seconds})
+
+    every, stop, train_seconds = cfg.checkpoint.every_n_steps, False, 0.0
     with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
         for epoch in range(first_epoch, trainer.epochs + 1):
             model.train()
@@ -210,13 +230,7 @@ def fit(
                 disable=not (proc.is_main and sys.stdout.isatty()),
             )
             for images, labels, global_size in data.train_batches(epoch, skip):
-                optimizer.zero_grad(set_to_none=True)
-                with autocast(proc.device, precision):
-                    logits = model(images.contiguous(memory_format=layout))
-                    loss = train_loss(logits, labels, global_size, proc.world_size)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+                loss = train_step(images, labels, global_size)
                 lr = optimizer.param_groups[0]["lr"]  # the rate this step used
                 if step_interval:
                     scheduler.step()
@@ -249,10 +263,13 @@ def fit(
                         save(epoch, epoch_step)
             bar.close()
             speed = throughput(started, images_seen, proc.device)
+            train_seconds += speed["time/train_s"]
             if not step_interval and epoch_step == data.steps_per_epoch:
                 scheduler.step()
 
-            metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
+            metrics = evaluate_and_log(model, data, proc, logger, epoch, step, trainer)
+            log.info("epoch %d trained in %.2f s (%.0f images/s); %.2f s in all", epoch,
+                     speed["time/train_s"], speed["time/images_per_s"], train_seconds)  # fmt: skip
             if logger:
                 logger.log({"step": step, "epoch": epoch, **speed})
             was_best = metrics["test/acc"] > best_acc
@@ -266,6 +283,41 @@ def fit(
                 log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
                 break
     return metrics
+
+
+def warm_up(
+    train_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    data: MNISTData,
+    proc: Process,
+    trainer: DictConfig,
+) -> float:
+    """`trainer.warmup_steps=N`: train N steps on the first batches of an epoch and one on its last
+    (often smaller) batch, evaluate once, then undo it all: the weights, the optimizer, the scaler
+    and the random generators are put back as they were, so training goes on exactly as without
+    it. What stays is what is slow the first time: torch.compile's compilation (once per batch
+    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Returns its seconds.
+    """
+    started = time.perf_counter()
+    saved = copy.deepcopy((unwrap(model).state_dict(), optimizer.state_dict(), scaler.state_dict()))
+    generators = checkpoint.rng_state()
+    steps = min(trainer.warmup_steps, data.steps_per_epoch)
+    model.train()
+    batches = islice(data.train_batches(1), steps)
+    if steps < data.steps_per_epoch:
+        batches = chain(batches, data.train_batches(1, skip=data.steps_per_epoch - 1))
+    for images, labels, global_size in batches:
+        train_step(images, labels, global_size)
+    evaluate(model, data, proc, trainer)
+    unwrap(model).load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    scaler.load_state_dict(saved[2])
+    checkpoint.set_rng_state(generators)
+    if proc.device.type == "cuda":
+        torch.cuda.synchronize(proc.device)
+    return time.perf_counter() - started
 
 
 def profiler(steps: int | None, run_dir: Path, proc: Process) -> AbstractContextManager:
@@ -311,12 +363,7 @@ def evaluate_and_log(
     trainer: DictConfig,
 ) -> dict[str, Any]:
     """Evaluate on the test split; print the result and log it at `step`."""
-    # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
-    # buffers, a collective that ranks with different numbers of batches would hang in.
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    layout = torch.channels_last if trainer.channels_last else torch.contiguous_format
-    with autocast(proc.device, trainer.precision):
-        metrics = evaluate(inner, data, proc, layout)
+    metrics = evaluate(model, data, proc, trainer)
     log.info(
         "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
         epoch,
@@ -346,16 +393,21 @@ def train_loss(
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module,
-    data: MNISTData,
-    proc: Process,
-    layout: torch.memory_format = torch.contiguous_format,
+    model: nn.Module, data: MNISTData, proc: Process, trainer: DictConfig | None = None
 ) -> dict[str, Any]:
-    """Test loss and accuracy over the whole test split, each image counted once across ranks."""
+    """Test loss and accuracy over the whole test split, each image counted once across ranks,
+    with the precision and memory layout of `trainer` (if given)."""
+    # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
+    # buffers, a collective that ranks with different numbers of batches would hang in.
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    layout = torch.channels_last if trainer and trainer.channels_last else torch.contiguous_format
+    precision = trainer.precision if trainer else "32"
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for images, labels in data.test_batches():
-        logits = model(images.contiguous(memory_format=layout)).float()
+        with autocast(proc.device, precision):
+            logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
         correct += (logits.argmax(dim=1) == labels).sum().item()
         count += len(labels)

@@ -277,6 +277,46 @@ def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_
     assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
 
+def warmed_up_and_plain(tmp_path, overrides, nproc=None):
+    """The same run with and without trainer.warmup_steps: metrics.jsonl lines and last.pt."""
+    runs = {}
+    for name, extra in {"warm": ["trainer.warmup_steps=2"], "plain": []}.items():
+        ok(train([*overrides, *extra], tmp_path / name, nproc=nproc))
+        lines = [
+            json.loads(line)
+            for line in (single_run(tmp_path / name) / "metrics.jsonl").read_text().splitlines()
+        ]
+        saved = torch.load(single_run(tmp_path / name) / "checkpoints" / "last.pt")
+        runs[name] = lines, saved
+    return runs["warm"], runs["plain"]
+
+
+def without_timings(lines):
+    return [m for m in lines if not any(key.startswith(("time/", "memory/")) for key in m)]
+
+
+def test_warm_up_steps_are_undone(tmp_path, tiny_data):
+    """Dropout, Adam's moments, a step-wise schedule: training after the warm-up is the same, to
+    the last bit, as training without one; the warm-up's time is logged apart."""
+    # 200 training images = 4 batches of 48 and a last one of 8, another shape to warm up.
+    overrides = [f"data.root={tiny_data}", *SMOKE, "model=cnn", "optimizer=adam",
+                 "scheduler=onecycle", "data.batch_size=48"]  # fmt: skip
+    (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides)
+    assert [m["step"] for m in warm if "time/warmup_s" in m] == [0]
+    assert without_timings(warm) == without_timings(plain)
+    for key in ("model", "optimizer", "rng"):
+        assert str(saved_warm[key]) == str(saved_plain[key]), key
+
+
+@pytest.mark.slow
+def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data):
+    overrides = [f"data.root={tiny_data}", *SMOKE, "parallel=ddp", "optimizer=adam",
+                 "trainer.compile=true"]  # fmt: skip
+    (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides, nproc=2)
+    assert without_timings(warm) == without_timings(plain)
+    assert str(saved_warm["model"]) == str(saved_plain["model"])
+
+
 @pytest.mark.slow
 def test_pictures_of_the_run_are_drawn_and_logged_to_wandb(tmp_path, tiny_data):
     """curves.png and predictions.png by rank 0 of a DDP run, also logged to the wandb run."""
