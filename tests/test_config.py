@@ -191,6 +191,18 @@ def test_values_training_cannot_use_are_refused(override, message):
             "fashion_cnn",
             {"model._target_": "src.models.CNN", "data.torchvision_class": "FashionMNIST"},
         ),
+        (
+            "fashion_cnn_fast",
+            {
+                "model._target_": "src.models.CNN",
+                "data.batch_size": 1024,
+                "trainer.precision": "bf16",
+                "trainer.channels_last": True,
+                "trainer.compile": "reduce-overhead",
+                "trainer.warmup_steps": 5,
+                "scheduler.total_steps": None,  # filled in with the run's steps
+            },
+        ),
     ],
 )
 def test_experiments_set_their_recipe(experiment, expected):

@@ -69,9 +69,9 @@ SPECIAL = SEQUENCE + MACHINES + SLURM
 @pytest.mark.parametrize(
     "command",
     [
-        # Self-launched DDP and searches are slow here; test_launch/test_config cover them.
+        # Self-launched DDP, searches and compiling are slow here; other tests cover them too.
         pytest.param(c, marks=pytest.mark.slow)
-        if "parallel.nproc_per_node" in c or "hparams_search" in c
+        if any(s in c for s in ("parallel.nproc_per_node", "hparams_search", "_fast"))
         else c
         for c in readme_commands()
         if c.startswith(RUNS) and c not in SPECIAL

@@ -1,0 +1,31 @@
+"""The benchmark runs every configuration it reports, here on tiny data (.ci/run runs it on
+Fashion-MNIST); its figures are not checked, only that each row was measured."""
+
+import csv
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, offline_env
+
+
+@pytest.mark.slow
+def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
+    """--fast (bf16, channels-last, torch.compile, warm-up steps) for the template and the bare
+    loop, in one process and two DDP processes."""
+    command = [sys.executable, "bench/run.py", "--models=mlp", "--repeats=1", "--workers=2",
+               "--batch-size=32", "--fast", f"--root={tiny_data}", f"--out={tmp_path}"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [(r["processes"], r["loader"]) for r in rows] == [
+        (p, loader)
+        for p in ("1", "2")
+        for loader in ("torch, 0 workers", "torch, 2 workers", "tensor", "bare loop")
+    ]
+    assert all(float(r["images_per_s"]) > 0 for r in rows)
+    assert "global batch 32" in (out / "table.md").read_text().splitlines()[0]
+    assert (out / "images_per_s.png").stat().st_size > 0
