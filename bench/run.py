@@ -87,6 +87,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
             f"data.batch_size={args.batch_size}",
             "logger=none",
             "checkpoint.save=false",
+            "plots=false",
             "trainer.epochs=1",
             f"hydra.run.dir={run_dir}",
             *row["extra"],
