@@ -110,6 +110,10 @@ def main() -> None:
         )
     if ddp:
         dist.destroy_process_group()
+        # As train.py's workers do (src/distributed.py: exit_worker): gloo can abort a process
+        # while the interpreter tears down, which torchrun would report as a failed run.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,7 @@ def main() -> None:
         runs = sorted(row["runs"], key=lambda timing: timing["time/images_per_s"])
         middle = runs[len(runs) // 2]  # the median run (the faster middle one of an even count)
         row["images_per_s"] = middle["time/images_per_s"]
+        row["slowest"], row["fastest"] = (runs[i]["time/images_per_s"] for i in (0, -1))
         row["train_s"] = middle["time/train_s"]
         row["peak_rss_mb"] = max(timing["memory/peak_rss_mb"] for timing in runs)
         row["peak_cuda_mb"] = max((t.get("memory/peak_cuda_mb", 0) for t in runs), default=0) or ""
@@ -171,6 +172,8 @@ def main() -> None:
         "processes",
         "loader",
         "images_per_s",
+        "slowest",
+        "fastest",
         "vs_bare_loop",
         "train_s",
         "peak_rss_mb",
@@ -195,12 +198,13 @@ def main() -> None:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| model | processes | loader | images/s | vs bare loop | peak RSS (MB) |",
-        "|---|---|---|---:|---:|---:|",
+        "| model | processes | loader | images/s | runs | vs bare loop | peak RSS (MB) |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['model']} | {r['processes']} | {r['loader']} | {r['images_per_s']:,.0f} | "
-        f"{r['vs_bare_loop']:.2f} | {r['peak_rss_mb']:,.0f} |"
+        f"{r['slowest']:,.0f}–{r['fastest']:,.0f} | {r['vs_bare_loop']:.2f} | "
+        f"{r['peak_rss_mb']:,.0f} |"
         for r in rows
     ]
     return "\n".join(lines) + "\n"
