@@ -66,7 +66,8 @@ def main() -> None:
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
+    # The template's first epoch: seed 1 + epoch 1, as DistributedSampler draws it.
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(2))
 
     order = order.to(device)
     autocast = (
