@@ -7,31 +7,20 @@
     python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn    # a Hydra sweep
     python train.py train=false ckpt_path=PATH                # evaluate a checkpoint
 
-Every knob is in conf/; `python train.py --help` lists them.
+Every knob is in conf/; `python train.py --help` lists them. This file picks how the run is
+launched; the run itself, top to bottom, is `train` in src/run.py.
 """
 
-import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from src import checkpoint, distributed, launch, plots
-from src.logger import open_logger
-from src.training import (
-    build_scheduler,
-    check_config,
-    evaluate_and_log,
-    fit,
-    seed_everything,
-    set_deterministic,
-    speed_up,
-)
-
-log = logging.getLogger("train")
+from src import distributed, launch
+from src.run import train
+from src.training import check_config
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -42,56 +31,6 @@ def main(cfg: DictConfig) -> float | None:
     if distributed.under_torchrun():  # a DDP worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)
     return train(cfg)
-
-
-def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
-    """One training run (or evaluation) in this process: alone, or one rank of a DDP group.
-
-    Returns the final test accuracy. `run_dir` defaults to the folder Hydra made for the run.
-    """
-    check_config(cfg)
-    set_deterministic(cfg.trainer.deterministic)
-    proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
-    try:
-        run_dir = distributed.shared_run_dir(proc, run_dir)
-        log.info("Run folder: %s", run_dir)
-        if proc.is_main:  # the config as this run uses it, interpolations resolved
-            config = OmegaConf.to_yaml(cfg, resolve=True)
-            log.info("Config:\n%s", config)
-            (run_dir / "config_resolved.yaml").write_text(config)
-        # (path, checkpoint): the one training continues from, else the one whose weights it
-        # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
-        resumed = checkpoint.find_resume(cfg, run_dir, proc)
-        weights = resumed or checkpoint.find_weights(cfg, proc)
-        with open_logger(cfg, run_dir, proc, resumed) as logger:  # finishes wandb on every exit
-            data = instantiate(cfg.data)
-            data.setup(proc)
-
-            seed_everything(cfg.seed)  # the same initial weights on every rank
-            model = instantiate(cfg.model).to(proc.device)
-            if weights:
-                checkpoint.load_model(model, *weights)
-            model = distributed.wrap(speed_up(model, cfg.trainer), cfg, proc)
-            if cfg.train:
-                optimizer = instantiate(cfg.optimizer, model.parameters())
-                total_steps = data.steps_per_epoch * cfg.trainer.epochs
-                total_steps = min(total_steps, cfg.trainer.max_steps or total_steps)
-                scheduler = build_scheduler(cfg, optimizer, total_steps)
-                state = resumed and resumed[1]
-                if not (state and checkpoint.restore(state, optimizer, scheduler, proc)):
-                    seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-                metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
-            else:
-                epoch, step = weights[1].get("epoch", 0), weights[1].get("step", 0)
-                metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
-            if cfg.plots and proc.is_main:
-                pictures = plots.draw(run_dir, distributed.unwrap(model), data)
-                if logger:
-                    logger.log_images(pictures)
-        proc.barrier()  # no rank tears the process group down while another still uses it
-    finally:
-        distributed.teardown()
-    return metrics.get("test/acc")  # what a sweeper would maximise
 
 
 if __name__ == "__main__":

@@ -5,8 +5,7 @@ started by torchrun, reports a failure the same way: once, in torchrun's error f
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+import importlib
 import json
 import logging
 import logging.config
@@ -61,10 +60,13 @@ def spawn(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
 
     The workers get the config already composed and resolved, and this job's run folder, so a
     multirun job's workers train that job. They log as torchrun's would: rank 0 like this process
-    (console and train.log), the others warnings only.
+    (console and train.log), the others warnings only. Each imports `train` by its module and name:
+    the function object itself may have reached this process pickled by value (submitit does
+    that to train.py's functions), and nothing it carries says where its code lives.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    target = importable_name(train)
     nproc = nproc_per_node(cfg)
     hydra = HydraConfig.get()
     config = LaunchConfig(
@@ -80,7 +82,7 @@ def spawn(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     )
     log.info("Starting %d DDP processes", nproc)
     args = (
-        (inspect.getfile(train), train.__name__),  # by file: __main__ is not train.py everywhere
+        target,
         OmegaConf.to_container(cfg, resolve=True),
         hydra.runtime.output_dir,
         OmegaConf.to_container(hydra.job_logging, resolve=True),
@@ -112,17 +114,27 @@ def _worker(
     threads: int,
 ) -> Any:
     """One self-launched DDP process (the environment torchrun would set is set): runs the
-    function `train` names (file, function) on the config."""
+    function `train` names (module, function) on the config."""
     if os.environ["RANK"] == "0":
         logging.config.dictConfig(job_logging)
     else:
         logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     torch.set_num_threads(threads)  # the machine's cores shared between the processes
-    path, name = train
-    spec = importlib.util.spec_from_file_location("train_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return run_worker(getattr(module, name), OmegaConf.create(config), Path(run_dir))
+    module, name = train
+    function = getattr(importlib.import_module(module), name)
+    return run_worker(function, OmegaConf.create(config), Path(run_dir))
+
+
+def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
+    """(module, name) by which a new process imports `function`; refused for one it cannot."""
+    module, name = function.__module__, function.__qualname__
+    if module == "__main__" or "<" in name:
+        raise ValueError(
+            f"DDP processes import the training function by module and name, and {name} of "
+            f"{module} has none they could import. Define it at the top level of a module under "
+            "src/, as src/run.py defines train."
+        )
+    return module, name
 
 
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:

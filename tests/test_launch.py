@@ -286,6 +286,55 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
     assert all(read_metrics(job)[1] for job in jobs)
 
 
+# A job's process as a launcher that pickles by value leaves it (submitit does so with train.py's
+# functions): the training function arrives as a pickle of its code, not as a reference to
+# src/run.py, and this process hands it to the self-launched DDP workers.
+BY_VALUE_JOB = """
+import pickle, sys
+import hydra
+from src import launch
+
+@hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
+def job(cfg):
+    train = pickle.loads(open({payload!r}, "rb").read())
+    assert "src.run" not in sys.modules, "the function was pickled by reference"
+    print("rank 0 returned", launch.spawn(train, cfg))
+
+if __name__ == "__main__":  # the DDP workers import this file too
+    job()
+"""
+
+
+def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, tiny_data):
+    """Whatever cloudpickle is installed: the workers import the function by module and name,
+    never from the file its code object names (cloudpickle 3.1.3 names '<dynamic-code>')."""
+    payload, script = tmp_path / "train.pkl", tmp_path / "job.py"
+    pickle_it = (
+        "import cloudpickle, src.run; cloudpickle.register_pickle_by_value(src.run); "
+        f"open({str(payload)!r}, 'wb').write(cloudpickle.dumps(src.run.train))"
+    )
+    env = offline_env(PYTHONPATH=str(REPO))
+    ok(run([sys.executable, "-c", pickle_it], cwd=tmp_path, env=env))
+    script.write_text(BY_VALUE_JOB.format(conf=str(REPO / "conf"), payload=str(payload)))
+    overrides = [
+        f"data.root={tiny_data}", "logger=none", "plots=false", "parallel=ddp",
+        "parallel.nproc_per_node=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    result = ok(run([sys.executable, str(script), *overrides], cwd=tmp_path, env=env))
+    assert "rank 0 returned" in result.stdout
+    assert "DDP: 2 processes" in printed(result)
+    assert read_metrics(tmp_path / "run")[1], "the job trained and evaluated"
+
+
+def test_a_function_workers_could_not_import_is_refused_before_any_process_starts():
+    from src.launch import importable_name
+    from src.run import train as run_train
+
+    assert importable_name(run_train) == ("src.run", "train")
+    with pytest.raises(ValueError, match="import the training function by module and name"):
+        importable_name(lambda cfg: None)
+
+
 @pytest.mark.slow
 def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path, tiny_data):
     """Rank 1 is frozen (SIGSTOP) during training: rank 0's next collective fails after
