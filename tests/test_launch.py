@@ -339,7 +339,11 @@ def test_a_function_workers_could_not_import_is_refused_before_any_process_start
 def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path, tiny_data):
     """Rank 1 is frozen (SIGSTOP) during training: rank 0's next collective fails after
     parallel.timeout=5 seconds instead of waiting the default 30 minutes."""
-    freeze_rank_1 = 'if [ "$RANK" = 1 ]; then (sleep 4; kill -STOP $$$$) & fi'
+    # Frozen once rank 0 has logged training losses, however long the start took on this machine.
+    training = "[ $(cat outputs/*/*/metrics.jsonl 2>/dev/null | wc -l) -ge 2 ]"
+    freeze_rank_1 = (
+        f'if [ "$RANK" = 1 ]; then (until {training}; do sleep 0.1; done; kill -STOP $$$$) & fi'
+    )
     overrides = [
         f"data.root={tiny_data}",
         "logger=none",
