@@ -53,7 +53,9 @@ def set_deterministic(on: bool) -> None:
     if on:
         # cuBLAS needs a fixed workspace to be deterministic; it reads this before its first call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on)
+    # Only when it changes: the call imports torch._inductor (1.4 s here) even to switch it off.
+    if torch.are_deterministic_algorithms_enabled() != on:
+        torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.benchmark = False
 
 
