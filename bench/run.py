@@ -85,6 +85,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
             "data=fashion_mnist",
             f"data.root={args.root}",
             f"data.batch_size={args.batch_size}",
+            "data.val_size=0",  # all 60,000 training images, as the bare loop trains on
             "logger=none",
             "checkpoint.save=false",
             "plots=false",

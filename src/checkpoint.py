@@ -4,6 +4,7 @@ A checkpoint holds the unwrapped model's `state_dict` (no `module.` prefix), so 
 parallel mode, and nothing but tensors and plain Python types, so `torch.load(weights_only=True)`
 reads it. It also holds where training stood (epoch, batches of it done, optimizer step), the
 optimizer and scheduler, and every rank's random state, so a resumed run continues exactly.
+It also holds `best`: which evaluation was best by `checkpoint.monitor`, the one `best.pt` holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import shutil
 import zipfile
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,39 @@ log = logging.getLogger(__name__)
 # What wrappers prepend to parameter names: DataParallel/DDP, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 TRAINING_KEYS = ("model", "optimizer", "scheduler", "epoch", "epoch_step", "step", "rng")
+
+
+@dataclass
+class Best:
+    """The best validation so far by `monitor` (the weights best.pt holds), and how many
+    validations since have not improved on it, which early stopping counts."""
+
+    monitor: str  # a metric of the validation split: val/acc or val/loss
+    mode: str  # max or min: whether a higher or a lower value is better
+    value: float | None = None
+    epoch: int | None = None
+    stale: int = 0  # validations since the best one
+
+    def update(self, metrics: dict[str, float], epoch: int) -> bool:
+        """Count in the validation of `epoch`; True if it is the new best (ties keep the first)."""
+        value = metrics[self.monitor]
+        if self.value is None or (value > self.value if self.mode == "max" else value < self.value):
+            self.value, self.epoch, self.stale = value, epoch, 0
+            return True
+        self.stale += 1
+        return False
+
+    @classmethod
+    def resume(cls, monitor: str, mode: str, saved: dict[str, Any] | None) -> Best:
+        """The record a checkpoint saved, if it watched the same monitor; else a fresh one."""
+        if saved and (saved["monitor"], saved["mode"]) == (monitor, mode):
+            return cls(**saved)
+        if saved:
+            log.warning(
+                "The checkpoint picked its best epoch by %s (%s), this run by %s (%s): the best "
+                "so far starts afresh.", saved["monitor"], saved["mode"], monitor, mode,
+            )  # fmt: skip
+        return cls(monitor, mode)
 
 
 def rng_state() -> dict[str, Any]:
@@ -70,7 +105,7 @@ def save(
     epoch: int,
     epoch_step: int,
     step: int,
-    best_acc: float,
+    best: Best | None,
     cfg: DictConfig,
     metrics: dict[str, Any],
     wandb_id: str | None,
@@ -93,7 +128,7 @@ def save(
             "epoch": epoch,
             "epoch_step": epoch_step,
             "step": step,
-            "best_acc": best_acc,
+            "best": best and asdict(best),  # None without a validation split
             "rng": rng,
             "config": OmegaConf.to_container(cfg, resolve=True),
             "wandb_id": wandb_id,
@@ -131,7 +166,47 @@ def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, di
     log.info("Resuming from %s", path)
     if cfg.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", cfg.init_from)
-    return path, load(path, proc)
+    state = load(path, proc)
+    state["best"] = _best_pt_beside(path, run_dir, state.get("best"), proc)
+    return path, state
+
+
+def _best_pt_beside(
+    resumed: Path, run_dir: Path, best: dict[str, Any] | None, proc: Process
+) -> dict[str, Any] | None:
+    """The resumed checkpoint's record of its best epoch, with that epoch's best.pt in this run's
+    folder: copied from beside the resumed file when that lies elsewhere. Without a best.pt the
+    record is dropped, and the best so far starts afresh."""
+    if not best or best["epoch"] is None:
+        return best
+    target, found = run_dir / "checkpoints" / "best.pt", None
+    if proc.is_main:
+        source = resumed.parent / "best.pt"
+        if source.is_file() and source.resolve() != target.resolve():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copy(source, target, proc)
+        found = target.is_file()
+        if not found:
+            log.warning(
+                "%s records its best epoch (%d), but no best.pt lies beside it: the best so far "
+                "starts afresh.", resumed, best["epoch"],
+            )  # fmt: skip
+    return best if proc.broadcast_object(found) else None
+
+
+def load_best(model: nn.Module, run_dir: Path, proc: Process) -> None:
+    """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run folder
+    is rank 0's, which other machines may not see) and every other rank receives its weights."""
+    path, model, error = run_dir / "checkpoints" / "best.pt", unwrap(model), None
+    if proc.is_main:
+        try:
+            load_model(model, path, _checked(path, proc.device, weights_only=True))
+        except UserError as err:
+            error = str(err)
+    errors = [e for e in proc.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    proc.broadcast_tensors(model.state_dict().values())
 
 
 def find_weights(cfg: DictConfig, proc: Process) -> tuple[Path, dict] | None:
@@ -152,22 +227,28 @@ def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any
     """
     error, state = None, None
     try:
-        state = _read(path, proc.device)
-        if weights_only and _is_state_dict(state):
-            state = {"model": state}
-        needed = ("model",) if weights_only else TRAINING_KEYS
-        missing = [key for key in needed if not isinstance(state, dict) or key not in state]
-        if missing:
-            error = (
-                f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
-                "Give a last.pt or best.pt from a run folder's checkpoints/"
-                + (", or a model's state_dict." if weights_only else ".")
-            )
+        state = _checked(path, proc.device, weights_only)
     except UserError as err:
         error = str(err)
     errors = [e for e in proc.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
+    return state
+
+
+def _checked(path: Path, device: torch.device, weights_only: bool) -> dict[str, Any]:
+    """The checkpoint at `path`, read onto `device`; a UserError if it is not one of ours."""
+    state = _read(path, device)
+    if weights_only and _is_state_dict(state):
+        state = {"model": state}
+    needed = ("model",) if weights_only else TRAINING_KEYS
+    missing = [key for key in needed if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise UserError(
+            f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
+            "Give a last.pt or best.pt from a run folder's checkpoints/"
+            + (", or a model's state_dict." if weights_only else ".")
+        )
     return state
 
 

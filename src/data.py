@@ -1,5 +1,8 @@
 """MNIST-style data: find (or download) the four IDX files, hold each split in memory, batch it.
 
+Three splits: `train` and `val` (`data.val_size` images held out of the training files by a draw
+that depends on `data.split_seed` alone), and `test` (the test files), evaluated once at the end.
+
 `loader=tensor` (the default): each split lives once as a uint8 tensor on the training device; a
 batch is gathered by index and normalised there, so the loop runs no per-sample Python.
 `loader=torch`: the standard `DataLoader` over a per-sample `Dataset`, the path to extend with
@@ -125,12 +128,22 @@ class GlobalBatchSampler:
             yield index.tolist()
 
 
+def hold_out(count: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of `count` images split in two: the rest, and `size` held out, each in file order.
+
+    The draw depends on `seed` alone, so every run that sets it validates on the same images,
+    whatever its `seed`, number of processes, loader, `data.subset` or resume.
+    """
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return order[size:].sort().values, order[:size].sort().values
+
+
 class MNISTData:
     """An MNIST-style dataset (MNIST, Fashion-MNIST, ...) in memory, batched for this process.
 
     `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
-    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th test image, so
-    every image is counted exactly once whatever the world size.
+    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th image of the
+    split, so every image is counted exactly once whatever the world size.
     """
 
     def __init__(
@@ -145,6 +158,8 @@ class MNISTData:
         test_batch_size: int,
         subset: int | None,
         seed: int,
+        val_size: int,
+        split_seed: int,
         loader: str = "tensor",
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -167,6 +182,7 @@ class MNISTData:
         self.test_batch_size = test_batch_size
         self.subset = subset
         self.seed = seed
+        self.val_size, self.split_seed = val_size, split_seed
 
     def setup(self, proc: Process) -> None:
         """Check the batch size, find or download the files, load both splits onto the device."""
@@ -191,10 +207,20 @@ class MNISTData:
         # loader=torch keeps the images in RAM and copies each batch to the device.
         folder = find_idx_folder(self.root, self.torchvision_class)
         home = proc.device if self.loader == "tensor" else torch.device("cpu")
-        self.train = self._load(folder, "train", home)
+        files = self._load(folder, "train", home)
+        if self.val_size >= len(files[1]):
+            raise UserError(
+                f"data.val_size={self.val_size} leaves no training images: the training files "
+                f"in {folder} hold {len(files[1])}. Hold out fewer (0 for none)."
+            )
+        # Positions in the training files; `subset` takes the first training images among them.
+        self.train_index, self.val_index = hold_out(len(files[1]), self.val_size, self.split_seed)
+        self.train_index = self.train_index[: self.subset]
+        self.train, self.val = (
+            tuple(t.index_select(0, index.to(t.device)) for t in files)
+            for index in (self.train_index, self.val_index)
+        )
         self.test = self._load(folder, "test", home)
-        if self.subset is not None:
-            self.train = (self.train[0][: self.subset], self.train[1][: self.subset])
         self.device = proc.device
         self.rank, self.world_size = proc.rank, proc.world_size
         self.sampler = GlobalBatchSampler(
@@ -206,8 +232,9 @@ class MNISTData:
                 dataset, batch_sampler=self.sampler, collate_fn=collate, **self.workers
             )
         log.info(
-            "Data: %d training and %d test images from %s",
+            "Data: %d training, %d validation (data.val_size) and %d test images from %s",
             len(self.train[1]),
+            len(self.val[1]),
             len(self.test[1]),
             folder,
         )
@@ -288,12 +315,14 @@ class MNISTData:
                 images, labels = (t.index_select(0, index) for t in self.train)
                 yield self.normalise(images), labels
 
-    def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's test images (every world_size-th one), in batches of test_batch_size."""
-        index = torch.arange(self.rank, len(self.test[1]), self.world_size)
-        for chunk in index.split(self.test_batch_size):
-            images, labels = self.test[0][chunk.to(self.test[0].device)], self.test[1][chunk]
-            yield self.normalise(images.to(self.device)), labels.to(self.device)
+    def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's images of `split` (val or test): every world_size-th one, in batches of
+        test_batch_size."""
+        images, labels = getattr(self, split)
+        index = torch.arange(self.rank, len(labels), self.world_size, device=labels.device)
+        for chunk in index.split(self.test_batch_size) if len(index) else ():
+            batch = images.index_select(0, chunk), labels.index_select(0, chunk)
+            yield self.normalise(batch[0].to(self.device)), batch[1].to(self.device)
 
 
 class Normalise:

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +70,13 @@ class Process:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Overwrite each tensor, in place, with rank 0's."""
+        if self.mode != "ddp":
+            return
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""

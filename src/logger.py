@@ -51,6 +51,11 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log_images(paths)
 
+    def summary(self, values: dict[str, Any]) -> None:
+        """The run's headline numbers, for the tracker's summary (metrics.jsonl has them logged)."""
+        if self.tracker is not None:
+            self.tracker.summary(values)
+
     @property
     def run_id(self) -> str | None:
         """The tracker's id of this run (wandb's run id), if it has one."""
@@ -132,6 +137,14 @@ class WandbTracker:
         except Exception as err:  # noqa: BLE001
             log.warning("wandb could not log the pictures (%s).", err)
 
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update(values)
+        except Exception as err:  # noqa: BLE001
+            log.warning("wandb could not update the run's summary (%s).", err)
+
     def finish(self, exit_code: int = 0) -> None:
         run, self.run = self.run, None
         if run is None:
@@ -203,6 +216,7 @@ def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
     """The records of a `metrics.jsonl` up to optimizer step `step` ([] if there is no file).
 
     What a killed run logged after its last checkpoint is left out: the resumed run logs it again.
+    So is the test, which every launch evaluates once at its end.
     """
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
@@ -210,4 +224,4 @@ def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # the last line of a run killed while writing it
             continue
-    return [record for record in records if record.get("step", 0) <= step]
+    return [r for r in records if r.get("step", 0) <= step and "test/acc" not in r]

@@ -23,19 +23,24 @@ def draw(run_dir: Path, model: nn.Module, data: MNISTData) -> list[Path]:
 
 
 def curves(records: list[dict[str, Any]], path: Path) -> Path:
-    """Training loss per step; test loss and accuracy per epoch."""
+    """Training loss per step; validation loss and accuracy per epoch; the test, once, as a star
+    at the epoch whose weights it tested."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     steps = [r for r in records if "train/loss" in r]
-    evals = [r for r in records if "test/acc" in r]
+    evals = [r for r in records if "val/acc" in r]
+    tests = [r for r in records if "test/acc" in r][-1:]
     figure, (loss_axes, acc_axes) = plt.subplots(1, 2, figsize=(10, 4))
     loss_axes.plot([r["step"] for r in steps], [r["train/loss"] for r in steps], label="train")
-    loss_axes.plot([r["step"] for r in evals], [r["test/loss"] for r in evals], "o-", label="test")
+    loss_axes.plot([r["step"] for r in evals], [r["val/loss"] for r in evals], "o-", label="val")
     loss_axes.set(xlabel="optimizer step", ylabel="cross-entropy loss", title="Loss")
     loss_axes.legend()
-    acc_axes.plot([r["epoch"] for r in evals], [r["test/acc"] for r in evals], "o-")
-    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy")
+    acc_axes.plot([r["epoch"] for r in evals], [r["val/acc"] for r in evals], "o-", label="val")
+    acc_axes.plot([r["test/weights_epoch"] for r in tests], [r["test/acc"] for r in tests], "*",
+                  markersize=12, label="test (weights of that epoch)")  # fmt: skip
+    acc_axes.set(xlabel="epoch", ylabel="accuracy", title="Accuracy")
+    acc_axes.legend()
     acc_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -1,9 +1,10 @@
 """One run, from a composed config to its metrics: the table of contents of the template.
 
 `train(cfg)` sets up this process (alone, or one rank of a DDP group), builds the data, the model
-and the optimizer, trains and evaluates. It lives in an importable module, not in `train.py`, so
-that DDP processes started for a job import it by name, however the job itself reached its
-process (submitit and other launchers pickle `train.py`'s functions by value).
+and the optimizer, trains (validating after every epoch) and evaluates the test split once. It
+lives in an importable module, not in `train.py`, so that DDP processes started for a job import
+it by name, however the job itself reached its process (submitit and other launchers pickle
+`train.py`'s functions by value).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from src import checkpoint, distributed, plots
 from src.logger import open_logger
 from src.training import (
+    Fitted,
     build_scheduler,
     check_config,
     evaluate_and_log,
@@ -24,6 +26,7 @@ from src.training import (
     seed_everything,
     set_deterministic,
     speed_up,
+    test,
 )
 
 log = logging.getLogger("train")
@@ -32,7 +35,8 @@ log = logging.getLogger("train")
 def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     """One training run (or evaluation) in this process: alone, or one rank of a DDP group.
 
-    Returns the final test accuracy. `run_dir` defaults to the folder Hydra made for the run.
+    Returns the best validation value of `checkpoint.monitor` (what a sweeper optimises), or
+    None without a validation split. `run_dir` defaults to the folder Hydra made for the run.
     """
     check_config(cfg)
     set_deterministic(cfg.trainer.deterministic)
@@ -65,10 +69,17 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 state = resumed and resumed[1]
                 if not (state and checkpoint.restore(state, optimizer, scheduler, proc)):
                     seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-                metrics = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
-            else:
-                epoch, step = weights[1].get("epoch", 0), weights[1].get("step", 0)
-                metrics = evaluate_and_log(model, data, proc, logger, epoch, step, cfg.trainer)
+                fitted = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
+                result = fitted.best and fitted.best.value
+            else:  # train=false: the checkpoint's weights, on the validation split too
+                fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
+                result = None
+                if len(data.val[1]):
+                    at = {"step": fitted.step, "epoch": fitted.epoch}
+                    val = evaluate_and_log(model, data, "val", proc, logger, cfg.trainer, at,
+                                           f"{weights[0]}")  # fmt: skip
+                    result = val[cfg.checkpoint.monitor]
+            test(model, data, proc, logger, cfg.trainer, fitted, run_dir)  # once, at the end
             if cfg.plots and proc.is_main:
                 pictures = plots.draw(run_dir, distributed.unwrap(model), data)
                 if logger:
@@ -76,4 +87,4 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
         proc.barrier()  # no rank tears the process group down while another still uses it
     finally:
         distributed.teardown()
-    return metrics.get("test/acc")  # what a sweeper would maximise
+    return result

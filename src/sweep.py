@@ -1,5 +1,6 @@
-"""The summary of a sweep: `summary.csv` in its folder, with each job's overrides, final test
-accuracy and loss, wall time and status, best first; printed as a table when the sweep ends.
+"""The summary of a sweep: `summary.csv` in its folder, with each job's overrides, its best
+validation value of `checkpoint.monitor` (what the sweep compares), the test accuracy of the
+weights it tested, wall time and status, best first; printed as a table when the sweep ends.
 
 A Hydra callback (conf/config.yaml, hydra.callbacks). Each job leaves `job.json` in its own folder
 when it ends, so the summary also covers jobs that launchers ran in other processes (submitit).
@@ -18,7 +19,10 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-FIELDS = ["job", "overrides", "test/acc", "test/loss", "wall_s", "status", "folder"]
+from src.checkpoint import Best
+
+FIELDS = ["job", "overrides", "monitor", "best", "best_epoch", "test/acc", "test/loss",
+          "wall_s", "status", "folder"]  # fmt: skip
 
 
 class SweepSummary(Callback):
@@ -31,12 +35,22 @@ class SweepSummary(Callback):
         if config.hydra.mode.name != "MULTIRUN":
             return
         folder = Path(config.hydra.runtime.output_dir)
-        evals = [m for m in _records(folder / "metrics.jsonl") if "test/acc" in m]
+        records = _records(folder / "metrics.jsonl")
+        # The same choice as training's best.pt, made again from the validations it logged.
+        best = Best(config.checkpoint.monitor, config.checkpoint.mode)
+        for record in records:
+            if best.monitor in record:
+                best.update(record, record["epoch"])
+        tests = [m for m in records if "test/acc" in m]
         job = {
             "job": config.hydra.job.num,
             "overrides": " ".join(job_return.overrides or []),
-            "test/acc": evals[-1]["test/acc"] if evals else None,
-            "test/loss": evals[-1]["test/loss"] if evals else None,
+            "monitor": best.monitor,
+            "best": best.value,
+            "best_epoch": best.epoch,
+            "mode": best.mode,
+            "test/acc": tests[-1]["test/acc"] if tests else None,
+            "test/loss": tests[-1]["test/loss"] if tests else None,
             "wall_s": round(time.monotonic() - self.started, 1),
             "status": job_return.status.name.lower(),
             "folder": str(folder),
@@ -57,23 +71,35 @@ class SweepSummary(Callback):
 
 def _print(sweep_dir: Path) -> None:
     jobs = _write(sweep_dir)
-    lines = [f"{'acc':>7} {'loss':>8} {'wall s':>7} {'status':9} overrides"]
+    lines = [f"{'best':>7} {'monitor':8} {'epoch':>5} {'test acc':>8} {'wall s':>7} {'status':9} "
+             "overrides"]  # fmt: skip
     for j in jobs:
+        best = f"{j['best']:.4f}" if j["best"] is not None else "-"
         acc = f"{j['test/acc']:.4f}" if j["test/acc"] is not None else "-"
-        loss = f"{j['test/loss']:.4f}" if j["test/loss"] is not None else "-"
-        lines.append(f"{acc:>7} {loss:>8} {j['wall_s']:>7} {j['status']:9} {j['overrides']}")
+        epoch = j["best_epoch"] if j["best_epoch"] is not None else "-"
+        lines.append(f"{best:>7} {j['monitor']:8} {epoch:>5} {acc:>8} {j['wall_s']:>7} "
+                     f"{j['status']:9} {j['overrides']}")  # fmt: skip
     print(f"Sweep summary ({sweep_dir / 'summary.csv'}):\n" + "\n".join(lines), flush=True)
 
 
 def _write(sweep_dir: Path) -> list[dict[str, Any]]:
-    """summary.csv from the jobs' job.json files, best test accuracy first; the rows."""
+    """summary.csv from the jobs' job.json files, the best by their monitor first; the rows."""
     jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")]
-    jobs.sort(key=lambda j: (j["test/acc"] is None, -(j["test/acc"] or 0), j["job"]))
+    jobs.sort(key=_rank)
     with (sweep_dir / "summary.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, FIELDS)
+        writer = csv.DictWriter(file, FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(jobs)
     return jobs
+
+
+def _rank(job: dict[str, Any]) -> tuple:
+    """Jobs with a best value first, the better first (as their checkpoint.mode says); then the
+    rest (no validation split, or failed) in job order."""
+    value = job["best"]
+    if value is None:
+        return (1, 0.0, job["job"])
+    return (0, -value if job["mode"] == "max" else value, job["job"])
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from src import checkpoint
+from src.checkpoint import Best
 from src.data import MNISTData
 from src.distributed import Process, unwrap
 from src.errors import UserError
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
+MONITORS = ("val/acc", "val/loss")  # what each validation measures
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -79,10 +81,28 @@ def check_config(cfg: DictConfig) -> None:
         ("checkpoint.every_n_steps",
          cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
          "null or at least 1"),
+        ("data.val_size", cfg.data.get("val_size", 0) >= 0, "0 (none) or more"),
+        ("checkpoint.monitor", cfg.checkpoint.monitor in MONITORS, " or ".join(MONITORS)),
+        ("checkpoint.mode", cfg.checkpoint.mode in ("max", "min"), "max or min"),
+        ("trainer.test_weights", cfg.trainer.test_weights in ("best", "last"), "best or last"),
+        ("trainer.early_stopping_patience",
+         cfg.trainer.early_stopping_patience is None or cfg.trainer.early_stopping_patience >= 1,
+         "null or at least 1"),
     ]  # fmt: skip
     for key, good, allowed in rules:
         if not good:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not allowed: use {allowed}.")
+    selects = cfg.train and cfg.data.get("val_size", 0) > 0
+    if cfg.trainer.early_stopping_patience is not None and not selects:
+        raise UserError(
+            "trainer.early_stopping_patience watches the validation split, and data.val_size=0 "
+            "holds none out: set data.val_size (e.g. 5000) or trainer.early_stopping_patience=null."
+        )
+    if selects and cfg.trainer.test_weights == "best" and not cfg.checkpoint.save:
+        raise UserError(
+            "trainer.test_weights=best tests the weights of best.pt, which checkpoint.save=false "
+            "does not write: set trainer.test_weights=last, or checkpoint.save=true."
+        )
     if not cfg.train and cfg.ckpt_path is None:
         raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
     if cfg.train and cfg.ckpt_path is not None:
@@ -155,16 +175,19 @@ def fit(
     logger: MetricsLogger | None,
     run_dir: Path,
     resumed: dict[str, Any] | None = None,
-) -> dict[str, float]:
-    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps), evaluating after each
-    and saving `checkpoints/last.pt` (and `best.pt`, by test accuracy); continue where the
-    `resumed` checkpoint stood.
+) -> Fitted:
+    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping),
+    validating after each and saving `checkpoints/last.pt`, and `best.pt` when the validation is
+    the best so far by `checkpoint.monitor`; continue where the `resumed` checkpoint stood.
 
-    Returns the last evaluation's metrics. `logger` is None on every process but the main one.
+    Without a validation split (`data.val_size=0`) nothing is validated or selected. The test
+    split is not touched here. `logger` is None on every process but the main one.
     """
     trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
-    last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
-    first_epoch, epoch_step, step, best_acc, metrics = 1, 0, 0, -1.0, {}
+    last_pt, best_pt = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
+    first_epoch, epoch_step, step, metrics = 1, 0, 0, {}
+    validates, patience = len(data.val[1]) > 0, trainer.early_stopping_patience
+    best = Best(cfg.checkpoint.monitor, cfg.checkpoint.mode) if validates else None
     # float16 gradients underflow without loss scaling; for other precisions the scaler is a no-op.
     scaler = torch.amp.GradScaler(proc.device.type, enabled=str(trainer.precision) == "16")
     layout = torch.channels_last if trainer.channels_last else torch.contiguous_format
@@ -174,20 +197,22 @@ def fit(
     if resumed:
         scaler.load_state_dict(resumed.get("scaler", {}))
         first_epoch, epoch_step, step = resumed["epoch"], resumed["epoch_step"], resumed["step"]
-        best_acc, metrics = resumed["best_acc"], resumed["metrics"]
+        metrics = resumed["metrics"]
+        if validates:
+            best = Best.resume(best.monitor, best.mode, resumed.get("best"))
         if epoch_step >= data.steps_per_epoch:  # saved at the end of an epoch
             first_epoch, epoch_step = first_epoch + 1, 0
         log.info("Resuming at epoch %d, after %d of its batches, step %d", first_epoch,
                  epoch_step, step)  # fmt: skip
-    if step == max_steps or first_epoch > trainer.epochs:
+    if step == max_steps or first_epoch > trainer.epochs or stops_early(best, patience):
         log.info("Nothing left to train: the checkpoint is at the end of this run.")
-        return metrics
+        return Fitted(first_epoch - (epoch_step == 0), step, best)
 
-    def save(epoch: int, epoch_step: int) -> None:  # last.pt, as training stands now
+    def save(epoch: int, epoch_step: int, path: Path = last_pt) -> None:  # as training stands now
         if cfg.checkpoint.save:
             checkpoint.save(
-                last, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
-                epoch_step=epoch_step, step=step, best_acc=best_acc, cfg=cfg, metrics=metrics,
+                path, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
+                epoch_step=epoch_step, step=step, best=best, cfg=cfg, metrics=metrics,
                 wandb_id=logger.run_id if logger else None, scaler=scaler,
             )  # fmt: skip
 
@@ -197,7 +222,7 @@ def fit(
         if not cfg.checkpoint.save:
             raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
         raise Stopped(
-            f"Stopped by a signal after step {step}; {last} is saved. "
+            f"Stopped by a signal after step {step}; {last_pt} is saved. "
             f"Run the same command with hydra.run.dir={run_dir} to resume."
         )
 
@@ -269,22 +294,47 @@ def fit(
             if not step_interval and epoch_step == data.steps_per_epoch:
                 scheduler.step()
 
-            metrics = evaluate_and_log(model, data, proc, logger, epoch, step, trainer)
+            if validates:
+                metrics = evaluate_and_log(model, data, "val", proc, logger, trainer,
+                                           {"step": step, "epoch": epoch},
+                                           f"epoch {epoch}, step {step}")  # fmt: skip
             log.info("epoch %d trained in %.2f s (%.0f images/s); %.2f s in all", epoch,
                      speed["time/train_s"], speed["time/images_per_s"], train_seconds)  # fmt: skip
             if logger:
                 logger.log({"step": step, "epoch": epoch, **speed})
-            was_best = metrics["test/acc"] > best_acc
-            best_acc = max(best_acc, metrics["test/acc"])
-            save(epoch, epoch_step)
-            if cfg.checkpoint.save and was_best:
-                checkpoint.copy(last, best, proc)
+            if validates and best.update(metrics, epoch):
+                # best.pt first: a kill between the two writes leaves last.pt behind it, and the
+                # resumed run redoes this epoch and writes the same best.pt again.
+                save(epoch, epoch_step, best_pt)
+                if cfg.checkpoint.save:
+                    checkpoint.copy(best_pt, last_pt, proc)
+            else:
+                save(epoch, epoch_step)
             if stop:
                 stop_now()
             if step == max_steps:
                 log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
                 break
-    return metrics
+            if stops_early(best, patience):
+                log.info(
+                    "Early stopping: %s has not improved for %d validations; the best, %.4f, "
+                    "was at epoch %d.", best.monitor, best.stale, best.value, best.epoch,
+                )  # fmt: skip
+                break
+    return Fitted(epoch, step, best)
+
+
+class Fitted(NamedTuple):
+    """Where training ended, and its best validation (None without a validation split)."""
+
+    epoch: int
+    step: int
+    best: Best | None
+
+
+def stops_early(best: Best | None, patience: int | None) -> bool:
+    """`trainer.early_stopping_patience` validations in a row without a new best."""
+    return best is not None and patience is not None and best.stale >= patience
 
 
 def warm_up(
@@ -312,7 +362,7 @@ def warm_up(
         batches = chain(batches, data.train_batches(1, skip=data.steps_per_epoch - 1))
     for images, labels, global_size in batches:
         train_step(images, labels, global_size)
-    evaluate(model, data, proc, trainer)
+    evaluate(model, data, "val" if len(data.val[1]) else "test", proc, trainer)  # thrown away
     unwrap(model).load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     scaler.load_state_dict(saved[2])
@@ -358,23 +408,46 @@ def throughput(started: float, images: int, device: torch.device) -> dict[str, f
 def evaluate_and_log(
     model: nn.Module,
     data: MNISTData,
+    split: str,
     proc: Process,
     logger: MetricsLogger | None,
-    epoch: int,
-    step: int,
     trainer: DictConfig,
+    record: dict[str, Any],
+    about: str,
 ) -> dict[str, Any]:
-    """Evaluate on the test split; print the result and log it at `step`."""
-    metrics = evaluate(model, data, proc, trainer)
-    log.info(
-        "epoch %d, step %d: test loss %.4f, test accuracy %.4f",
-        epoch,
-        step,
-        metrics["test/loss"],
-        metrics["test/acc"],
-    )
+    """Evaluate on `split` (val or test); print the result after `about` (where training stands,
+    which weights), and log it with `record` (its step, epoch, ...)."""
+    metrics = evaluate(model, data, split, proc, trainer)
+    log.info("%s: %s loss %.4f, %s accuracy %.4f", about, split, metrics[f"{split}/loss"], split,
+             metrics[f"{split}/acc"])  # fmt: skip
     if logger:
-        logger.log({"step": step, "epoch": epoch, **metrics})
+        logger.log({**record, **metrics})
+    return metrics
+
+
+def test(
+    model: nn.Module,
+    data: MNISTData,
+    proc: Process,
+    logger: MetricsLogger | None,
+    trainer: DictConfig,
+    fitted: Fitted,
+    run_dir: Path,
+) -> dict[str, Any]:
+    """The test split, once, after training: on best.pt's weights (`trainer.test_weights=best`,
+    where a validation picked them), else on the weights training ended with."""
+    epoch, step, best = fitted
+    weights, weights_epoch = f"the weights after epoch {epoch} (step {step})", epoch
+    if best and best.epoch is not None and trainer.test_weights == "best":
+        checkpoint.load_best(model, run_dir, proc)
+        weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
+        weights_epoch = best.epoch
+    record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
+    about = f"Test on {weights}"
+    metrics = evaluate_and_log(model, data, "test", proc, logger, trainer, record, about)
+    if logger:
+        chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
+        logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
     return metrics
 
 
@@ -395,10 +468,10 @@ def train_loss(
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, data: MNISTData, proc: Process, trainer: DictConfig | None = None
+    model: nn.Module, data: MNISTData, split: str, proc: Process, trainer: DictConfig | None = None
 ) -> dict[str, Any]:
-    """Test loss and accuracy over the whole test split, each image counted once across ranks,
-    with the precision and memory layout of `trainer` (if given)."""
+    """Loss and accuracy over the whole `split` (val or test), each image counted once across
+    ranks, with the precision and memory layout of `trainer` (if given)."""
     # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
     # buffers, a collective that ranks with different numbers of batches would hang in.
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -407,7 +480,7 @@ def evaluate(
     precision = trainer.precision if trainer else "32"
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for images, labels in data.test_batches():
+    for images, labels in data.eval_batches(split):
         with autocast(proc.device, precision):
             logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
@@ -415,7 +488,7 @@ def evaluate(
         count += len(labels)
     loss_sum, correct, count = proc.sum_over_ranks([loss_sum, correct, count])
     return {
-        "test/loss": loss_sum / count,
-        "test/acc": correct / count,
-        "test/correct": int(correct),
+        f"{split}/loss": loss_sum / count,
+        f"{split}/acc": correct / count,
+        f"{split}/correct": int(correct),
     }

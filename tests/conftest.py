@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_SIZE, TEST_SIZE = 200, 100  # 200 = 3 global batches of 64 and a partial one of 8
+# The training files hold 250 images: 50 held out for validation (data.val_size, as train() sets
+# it) and 200 to train on, 3 global batches of 64 and a partial one of 8.
+TRAIN_SIZE, VAL_SIZE, TEST_SIZE = 200, 50, 100
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
@@ -28,7 +30,7 @@ def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
 
 def make_dataset(
     folder: Path,
-    train_size: int = TRAIN_SIZE,
+    train_size: int = TRAIN_SIZE + VAL_SIZE,
     test_size: int = TEST_SIZE,
     gz: bool = True,
     seed: int = 0,
@@ -88,17 +90,23 @@ def train(
             "--standalone",
             f"--nproc_per_node={nproc}",
         ]
-    # Pictures cost a second or two per run: only the tests that check them ask for them.
-    pictures = [] if any(o.startswith("plots=") for o in overrides) else ["plots=false"]
     command = [
         *launcher,
         str(REPO / "train.py"),
         *overrides,
-        *pictures,
+        *defaults_for_tests(overrides),
         f"paths.log_dir={tmp_path / 'outputs'}",
     ]
     tmp_path.mkdir(parents=True, exist_ok=True)
     return run(command, cwd=tmp_path, env=env)
+
+
+def defaults_for_tests(overrides: list[str]) -> list[str]:
+    """What every test run sets unless it says otherwise: a validation split that fits the tiny
+    data, and no pictures (they cost a second or two per run; the tests of them ask for them)."""
+    given = {o.split("=")[0] for o in overrides}
+    defaults = {"data.val_size": str(VAL_SIZE), "plots": "false"}
+    return [f"{key}={value}" for key, value in defaults.items() if key not in given]
 
 
 def torchrun_through_shell(
@@ -111,7 +119,8 @@ def torchrun_through_shell(
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         *torchrun_args, "--no-python", "sh", "-c", f'{script}; exec {sys.executable} "$@"', "sh",
-        str(REPO / "train.py"), *overrides, "plots=false", f"paths.log_dir={outputs}",
+        str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides),
+        f"paths.log_dir={outputs}",
     ]  # fmt: skip
 
 
@@ -128,6 +137,15 @@ def run_dirs(tmp_path: Path) -> list[Path]:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """metrics.jsonl split into training lines and evaluation lines."""
+    """metrics.jsonl split into training lines and evaluation lines: a validation after each
+    epoch, then the one test."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "train/loss" in m], [m for m in lines if "test/acc" in m]
+    evaluations = [m for m in lines if "val/acc" in m or "test/acc" in m]
+    return [m for m in lines if "train/loss" in m], evaluations
+
+
+def read_test(run_dir: Path) -> dict:
+    """The run's one test line (the last line of metrics.jsonl with test/acc)."""
+    evaluations = read_metrics(run_dir)[1]
+    assert [m for m in evaluations if "test/acc" in m] == evaluations[-1:], "one test, at the end"
+    return evaluations[-1]

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, offline_env, ok, read_metrics, run, torchrun_through_shell, train
+from conftest import (
+    REPO,
+    defaults_for_tests,
+    offline_env,
+    ok,
+    read_metrics,
+    read_test,
+    run,
+    torchrun_through_shell,
+    train,
+)
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 
@@ -33,11 +43,13 @@ def last(run_dir: Path) -> dict:
 
 
 def assert_same_training(run_dir: Path, reference: Path) -> None:
-    """Same final weights and the same metrics.jsonl (to float32 noise: measured exactly equal)."""
-    got, want = last(run_dir), last(reference)
-    assert got["step"] == want["step"]
-    for key, tensor in want["model"].items():
-        torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=1e-6)
+    """Same final weights, the same best.pt and record of it (early stopping's counter too), and
+    the same metrics.jsonl, the test included (to float32 noise: measured exactly equal)."""
+    for name in ("last.pt", "best.pt"):
+        got, want = (load(d / "checkpoints" / name) for d in (run_dir, reference))
+        assert (got["step"], got["best"]) == (want["step"], want["best"]), name
+        for key, tensor in want["model"].items():
+            torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=1e-6)
     lines, expected = (
         [
             m
@@ -66,12 +78,15 @@ def test_checkpoint_holds_plain_values_and_unwrapped_weights(tmp_path, tiny_data
         "config",
         "wandb_id",
         "metrics",
-        "best_acc",
+        "best",
     }
     assert list(state["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 4, 4)
     assert state["config"]["model"]["_target_"] == "src.models.MLP"
-    assert state["metrics"]["test/acc"] == read_metrics(tmp_path / "run")[1][-1]["test/acc"]
+    (validation, _) = read_metrics(tmp_path / "run")[1]
+    assert state["metrics"]["val/acc"] == validation["val/acc"]
+    assert state["best"] == {"monitor": "val/acc", "mode": "max", "value": validation["val/acc"],
+                             "epoch": 1, "stale": 0}  # fmt: skip
     assert len(state["rng"]) == 1 and set(state["rng"][0]) == {"python", "numpy", "torch", "cuda"}
     assert load(tmp_path / "run" / "checkpoints" / "best.pt")["step"] == 4
     assert not list((tmp_path / "run" / "checkpoints").glob(".*partial"))
@@ -95,6 +110,48 @@ def test_resume_after_an_epoch_equals_the_uninterrupted_run(tmp_path, tiny_data,
     assert_same_training(parts, whole)
 
 
+# On the tiny data this run's val/acc stops improving after epoch 5, so early stopping with a
+# patience of 2 ends it after epoch 7 (of 12), testing best.pt's weights of epoch 5.
+EARLY_STOPPING = ["data.batch_size=8", "optimizer.lr=0.001", "trainer.epochs=12",
+                  "trainer.early_stopping_patience=2"]  # fmt: skip
+
+
+def test_early_stopping_and_its_counter_survive_a_resume(tmp_path, tiny_data):
+    """The first launch ends after epoch 6, one validation into the patience; the resumed run
+    must stop after epoch 7, as the uninterrupted one does, not count afresh."""
+    common = [f"data.root={tiny_data}", *RUN, *EARLY_STOPPING]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    result = ok(train([*common, f"hydra.run.dir={whole}"], tmp_path))
+    assert "Early stopping: val/acc has not improved for 2 validations" in printed(result)
+    assert last(whole)["epoch"] == 7 and last(whole)["best"]["epoch"] == 5
+    assert read_test(whole)["test/weights_epoch"] == 5
+    assert load(whole / "checkpoints" / "best.pt")["step"] == 5 * 25
+    ok(train([*common, "trainer.epochs=6", f"hydra.run.dir={parts}"], tmp_path))
+    assert last(parts)["best"]["stale"] == 1
+    ok(train([*common, f"hydra.run.dir={parts}"], tmp_path))
+    assert_same_training(parts, whole)
+    # Launched once more, it trains nothing and tests the same weights again.
+    result = ok(train([*common, f"hydra.run.dir={parts}"], tmp_path))
+    assert "Nothing left to train" in printed(result)
+    assert read_test(parts)["test/acc"] == read_test(whole)["test/acc"]
+
+
+def test_resuming_a_file_from_another_folder_brings_its_best_pt_along(tmp_path, tiny_data):
+    """resume=PATH in a new run folder: the best.pt beside PATH comes too, so the new run tests
+    the epoch its record names; without one, the record starts afresh (and says so)."""
+    common = [f"data.root={tiny_data}", *RUN, *EARLY_STOPPING]
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    ok(train([*common, "trainer.epochs=6", f"hydra.run.dir={first}"], tmp_path))
+    resume = f"resume={first / 'checkpoints' / 'last.pt'}"
+    ok(train([*common, resume, f"hydra.run.dir={second}"], tmp_path))
+    copied = load(second / "checkpoints" / "best.pt")
+    assert copied["epoch"] == 5 and read_test(second)["test/weights_epoch"] == 5
+    (first / "checkpoints" / "best.pt").unlink()
+    result = ok(train([*common, resume, f"hydra.run.dir={third}"], tmp_path))
+    assert "but no best.pt lies beside it: the best so far starts afresh" in printed(result)
+    assert last(third)["best"]["epoch"] == 7  # the first validation after the resume
+
+
 def start(overrides: list[str], cwd: Path, nproc: int | None = None) -> subprocess.Popen:
     """train.py (or torchrun) in the background, its output in cwd/log."""
     launcher = [sys.executable]
@@ -102,7 +159,7 @@ def start(overrides: list[str], cwd: Path, nproc: int | None = None) -> subproce
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        [*launcher, str(REPO / "train.py"), *overrides],
+        [*launcher, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)],
         cwd=cwd,
         env=offline_env(),
         stdout=(cwd / "log").open("w"),
@@ -211,13 +268,12 @@ def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folde
 ):
     """A real SIGKILL of rank 1 in the middle of training; torchrun --max-restarts=1 starts the
     group again, which continues from last.pt in the same run folder and ends like a run
-    that was never killed."""
+    that was never killed: stopped early at the same epoch, with the same best.pt."""
     overrides = [
         f"data.root={tiny_data}",
         *RUN,
         "parallel=ddp",
-        "data.batch_size=8",
-        "trainer.epochs=12",
+        *EARLY_STOPPING,
         "checkpoint.every_n_steps=5",
     ]
     whole = tmp_path / "whole"
@@ -255,7 +311,7 @@ def test_checkpoints_load_into_every_parallel_mode(tmp_path, tiny_data):
         run_dir = tmp_path / f"saved-{saved}"
         overrides = [f"data.root={tiny_data}", *RUN, "model=cnn", f"parallel={saved}"]
         ok(train([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, nproc=nproc))
-        accuracy = read_metrics(run_dir)[1][-1]["test/acc"]
+        accuracy = read_test(run_dir)["test/acc"]  # of best.pt: the one epoch's weights
         for loaded, nproc2 in modes.items():
             evaluated = tmp_path / f"{saved}-in-{loaded}"
             ok(
@@ -273,8 +329,7 @@ def test_checkpoints_load_into_every_parallel_mode(tmp_path, tiny_data):
                     nproc=nproc2,
                 )
             )
-            (evaluation,) = read_metrics(evaluated)[1]
-            assert evaluation["test/acc"] == accuracy, (saved, loaded)
+            assert read_test(evaluated)["test/acc"] == accuracy, (saved, loaded)
 
 
 @pytest.mark.slow
@@ -319,9 +374,12 @@ def test_train_false_evaluates_a_checkpoint(tmp_path, tiny_data):
             tmp_path,
         )
     )
-    (evaluation,) = read_metrics(tmp_path / "eval")[1]
-    assert evaluation["test/acc"] == read_metrics(tmp_path / "run")[1][-1]["test/acc"]
-    assert f"test accuracy {evaluation['test/acc']:.4f}" in printed(result)
+    (validation, test), (trained, tested_there) = (
+        read_metrics(tmp_path / folder)[1] for folder in ("eval", "run")
+    )
+    assert validation["val/correct"] == trained["val/correct"]  # both splits, the same weights
+    assert test["test/correct"] == tested_there["test/correct"]
+    assert f"test accuracy {test['test/acc']:.4f}" in printed(result)
     assert not (tmp_path / "eval" / "checkpoints").exists()
 
 
@@ -402,7 +460,7 @@ def test_wandb_continues_the_same_run_on_resume(tmp_path, tiny_data):
         f"hydra.run.dir={tmp_path / 'run'}",
         f"paths.log_dir={tmp_path}",
     ]
-    command = [sys.executable, str(REPO / "train.py"), *overrides]
+    command = [sys.executable, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)]
     ok(run([*command, "trainer.epochs=1"], tmp_path, env=env))
     first_id = last(tmp_path / "run")["wandb_id"]
     ok(run([*command, "trainer.epochs=2"], tmp_path, env=env))

@@ -158,12 +158,42 @@ def test_every_yaml_key_has_a_comment():
             "scheduler.interval=epochs",
             "scheduler.interval=epochs is not allowed: use epoch or step",
         ),
+        ("data.val_size=-1", "data.val_size=-1 is not allowed: use 0 .none. or more"),
+        ("checkpoint.monitor=val/f1", "monitor=val/f1 is not allowed: use val/acc or val/loss"),
+        ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
+        ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max or min"),
+        ("trainer.test_weights=first", "test_weights=first is not allowed: use best or last"),
+        ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
+        (
+            "trainer.early_stopping_patience=3 data.val_size=0",
+            "trainer.early_stopping_patience watches the validation split, and data.val_size=0",
+        ),
+        (
+            "checkpoint.save=false",
+            "trainer.test_weights=best tests the weights of best.pt, which checkpoint.save=false",
+        ),
     ],
-)
+)  # fmt: skip
 def test_values_training_cannot_use_are_refused(override, message):
     check_config(compose_config())  # the defaults pass
     with pytest.raises(UserError, match=message):
-        check_config(compose_config(override))
+        check_config(compose_config(*override.split()))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "checkpoint.save=false trainer.test_weights=last",
+        "checkpoint.save=false data.val_size=0",  # nothing selected: the last weights are tested
+        "debug=fast",
+        "debug=profile",
+        "debug=overfit",
+        "experiment=examples_mnist",
+        "hparams_search=optuna",
+    ],
+)
+def test_the_combinations_the_template_uses_pass(overrides):
+    check_config(compose_config(*overrides.split()))
 
 
 @pytest.mark.parametrize(
@@ -247,8 +277,9 @@ def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
         pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], marks=pytest.mark.slow),
     ],
 )
-def test_optuna_search_maximises_test_accuracy(tmp_path, tiny_data, parallel):
-    """A 2-trial TPE search (requirements-optuna.txt); under parallel=ddp, DDP groups."""
+def test_optuna_search_maximises_validation_accuracy(tmp_path, tiny_data, parallel):
+    """A 2-trial TPE search (requirements-optuna.txt); under parallel=ddp, DDP groups. Each trial's
+    value is its best val/acc, never a test accuracy."""
     result = train(
         [
             "-m",
@@ -264,6 +295,7 @@ def test_optuna_search_maximises_test_accuracy(tmp_path, tiny_data, parallel):
     ok(result)
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
-    accuracies = [read_metrics(job)[1][-1]["test/acc"] for job in sorted(sweep_dir.glob("[0-9]"))]
+    jobs = sorted(sweep_dir.glob("[0-9]"))
+    accuracies = [max(m["val/acc"] for m in read_metrics(job)[1][:-1]) for job in jobs]
     assert len(accuracies) == 2 and best.best_value == max(accuracies)
     assert set(best.best_params) == {"optimizer", "optimizer.lr", "data.batch_size"}

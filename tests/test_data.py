@@ -5,7 +5,16 @@ import gzip
 import numpy as np
 import pytest
 import torch
-from conftest import TRAIN_SIZE, make_dataset, offline_env, ok, run, train, write_idx
+from conftest import (
+    TRAIN_SIZE,
+    VAL_SIZE,
+    make_dataset,
+    offline_env,
+    ok,
+    run,
+    train,
+    write_idx,
+)
 from torch.utils.data import DistributedSampler
 
 from src.data import GlobalBatchSampler, MNISTData, find_idx_folder, read_idx
@@ -25,6 +34,8 @@ def mnist(root, **overrides) -> MNISTData:
         test_batch_size=1000,
         subset=None,
         seed=1,
+        val_size=VAL_SIZE,
+        split_seed=0,
     )
     return MNISTData(**{**args, **overrides})
 
@@ -171,8 +182,9 @@ def test_torch_loader_gives_the_tensor_loaders_batches(tiny_data, world_size, nu
             for (images, labels, size), (images_, labels_, size_) in zip(got, want, strict=True):
                 assert torch.equal(images, images_) and torch.equal(labels, labels_)
                 assert size == size_
-        test_got, test_want = list(standard.test_batches()), list(fast.test_batches())
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(test_got, test_want, strict=True))
+        for split in ("val", "test"):
+            got, want = list(standard.eval_batches(split)), list(fast.eval_batches(split))
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True))
 
 
 def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
@@ -180,7 +192,7 @@ def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
     none; the DataLoader path must give them an empty batch, as the tensor path does."""
     make_dataset(tmp_path, train_size=201, test_size=8)
     for rank in range(4):
-        data = mnist(tmp_path, loader="torch", batch_size=4)
+        data = mnist(tmp_path, loader="torch", batch_size=4, val_size=0)
         data.setup(Process(rank=rank, world_size=4))
         *_, (images, labels, size) = data.train_batches(1)
         assert size == 1 and len(labels) == (rank == 0) and images.shape[1:] == (1, 28, 28)
@@ -189,3 +201,78 @@ def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
 def test_unknown_loader_is_refused(tiny_data):
     with pytest.raises(UserError, match="data.loader=fast is not a loader: use tensor or torch"):
         mnist(tiny_data, loader="fast")
+
+
+def numbered_dataset(folder, count: int = 300):
+    """Training images that carry their own position in the file, in their first two pixels."""
+    make_dataset(folder, train_size=count)
+    images = np.zeros((count, 28, 28), np.uint8)
+    images[:, 0, 0], images[:, 0, 1] = np.arange(count) % 256, np.arange(count) // 256
+    write_idx(folder / "train-images-idx3-ubyte", images, gz=True)
+    return folder
+
+
+def positions(images: torch.Tensor) -> list[int]:
+    """The file positions numbered_dataset wrote into `images`, read back through the
+    normalisation (mean 0.1307, std 0.3081) the batches went through."""
+    pixels = ((images[:, 0, 0, :2] * 0.3081 + 0.1307) * 255).round().long()
+    return (pixels[:, 0] + 256 * pixels[:, 1]).tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_training_and_validation_never_share_an_image(tmp_path, world_size):
+    """Read back from the batches themselves: over an epoch the ranks train on every image
+    outside the validation split once, and validate on every image inside it once."""
+    numbered_dataset(tmp_path)
+    trained, validated = [], []
+    for rank in range(world_size):
+        data = mnist(tmp_path, batch_size=12, val_size=70)
+        data.setup(Process(rank=rank, world_size=world_size))
+        trained += [i for images, _, _ in data.train_batches(1) for i in positions(images)]
+        validated += [i for images, _ in data.eval_batches("val") for i in positions(images)]
+    assert sorted(validated) == data.val_index.tolist() and len(validated) == 70
+    assert sorted(trained) == data.train_index.tolist() and len(trained) == 230
+    assert not set(trained) & set(validated)
+    assert sorted(trained + validated) == list(range(300))
+
+
+def test_the_validation_split_depends_on_split_seed_alone(tmp_path):
+    """Not on seed, the world size, the loader, data.subset or the epoch: every job of a sweep
+    and every parallel mode validates on the same images."""
+    numbered_dataset(tmp_path)
+    reference = mnist(tmp_path)
+    reference.setup(Process())
+    for overrides, proc in [
+        ({"seed": 7}, Process()),
+        ({}, Process(rank=2, world_size=4)),
+        ({"loader": "torch"}, Process()),
+        ({"subset": 40}, Process()),
+    ]:
+        data = mnist(tmp_path, **overrides)
+        data.setup(proc)
+        assert torch.equal(data.val_index, reference.val_index), overrides
+        assert torch.equal(data.val[0], reference.val[0]) and torch.equal(
+            data.val[1], reference.val[1]
+        )
+    subset = mnist(tmp_path, subset=40)
+    subset.setup(Process())
+    assert torch.equal(subset.train_index, reference.train_index[:40])  # the first 40 of the rest
+    other = mnist(tmp_path, split_seed=1)
+    other.setup(Process())
+    assert not torch.equal(other.val_index, reference.val_index)
+
+
+def test_val_size_zero_holds_nothing_out(tmp_path):
+    numbered_dataset(tmp_path)
+    data = mnist(tmp_path, val_size=0)
+    data.setup(Process())
+    assert len(data.train[1]) == 300 and len(data.val[1]) == 0
+    assert list(data.eval_batches("val")) == []
+
+
+def test_a_validation_split_that_leaves_no_training_images_is_refused(tmp_path, tiny_data):
+    result = train([f"data.root={tiny_data}", "logger=none", "data.val_size=250"], tmp_path)
+    assert result.returncode != 0
+    assert "data.val_size=250 leaves no training images: the training files" in result.stderr
+    assert "hold 250. Hold out fewer (0 for none)." in result.stderr
+    assert "Traceback" not in result.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     REPO,
+    defaults_for_tests,
     offline_env,
     ok,
     read_metrics,
@@ -118,6 +119,7 @@ def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
             "data.batch_size=8",
             "trainer.epochs=200",
             f"paths.log_dir={tmp_path / 'outputs'}",
+            *defaults_for_tests([]),
         ],
         cwd=tmp_path,
         env=offline_env(),
@@ -238,6 +240,7 @@ def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, 
                 "parallel=ddp",
                 "trainer.max_steps=2",
                 f"paths.log_dir={tmp_path / 'outputs'}",
+                *defaults_for_tests([]),
             ],
             cwd=tmp_path,
         )
@@ -317,8 +320,8 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
     ok(run([sys.executable, "-c", pickle_it], cwd=tmp_path, env=env))
     script.write_text(BY_VALUE_JOB.format(conf=str(REPO / "conf"), payload=str(payload)))
     overrides = [
-        f"data.root={tiny_data}", "logger=none", "plots=false", "parallel=ddp",
-        "parallel.nproc_per_node=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}",
+        f"data.root={tiny_data}", "logger=none", "parallel=ddp", "parallel.nproc_per_node=2",
+        "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", *defaults_for_tests([]),
     ]  # fmt: skip
     result = ok(run([sys.executable, str(script), *overrides], cwd=tmp_path, env=env))
     assert "rank 0 returned" in result.stdout

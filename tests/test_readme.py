@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, offline_env, ok, read_metrics, run
+from conftest import REPO, defaults_for_tests, offline_env, ok, read_metrics, run
 from hydra import compose, initialize_config_dir
 
 README = (REPO / "README.md").read_text()
@@ -51,7 +51,7 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
     if words[0] == "python":
         words[0] = sys.executable
     words += [f"data.root={tiny_data}", "trainer.max_steps=2", f"paths.log_dir={tmp_path}/outputs"]
-    words += ["plots=false"]  # tests/test_train.py checks the pictures
+    words += defaults_for_tests(words)  # a validation split the tiny data holds; no pictures
     if "hparams_search=optuna" in words:
         words += ["hydra.sweeper.n_trials=2"]  # as max_steps: enough to show it runs
     ok(run(words, cwd=REPO, env=env, timeout=300))
@@ -95,6 +95,7 @@ def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_dat
         "trainer.max_steps=2",
         "logger=none",
         f"paths.log_dir={tmp_path}/outputs",
+        *defaults_for_tests([]),
     ]
     agents = [
         subprocess.Popen(

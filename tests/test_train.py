@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    defaults_for_tests,
     offline_env,
     ok,
     read_metrics,
+    read_test,
     run,
     run_dirs,
     torchrun_through_shell,
@@ -34,10 +36,12 @@ def test_parallel_none_trains_and_writes_metrics(tmp_path, tiny_data):
     steps, evals = read_metrics(run_dir)
     assert [m["step"] for m in steps] == list(range(1, 9))  # 2 epochs of ceil(200 / 64) = 4 steps
     assert {m["epoch"] for m in steps} == {1, 2}
-    assert [m["epoch"] for m in evals] == [1, 2]
+    validations, test = evals[:-1], read_test(run_dir)
+    assert [m["epoch"] for m in validations] == [1, 2]
     assert all(set(m) >= {"step", "epoch", "train/loss"} for m in steps)
-    assert all(set(m) >= {"epoch", "test/loss", "test/acc"} for m in evals)
-    assert evals[-1]["test/acc"] > 0.5  # the synthetic classes are easy to tell apart
+    assert all(set(m) >= {"epoch", "val/loss", "val/acc", "val/correct"} for m in validations)
+    assert set(test) >= {"test/loss", "test/acc", "test/correct", "test/weights_epoch"}
+    assert test["test/acc"] > 0.5  # the synthetic classes are easy to tell apart
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else written
 
@@ -58,7 +62,52 @@ def test_max_steps_and_subset(tmp_path, tiny_data):
     steps, evals = read_metrics(single_run(tmp_path))
     # 64 images in batches of 32 are 2 steps per epoch: step 3 is in epoch 2, then it stops.
     assert [(m["step"], m["epoch"]) for m in steps] == [(1, 1), (2, 1), (3, 2)]
-    assert [(m["step"], m["epoch"]) for m in evals] == [(2, 1), (3, 2)]
+    assert [(m["step"], m["epoch"]) for m in evals] == [(2, 1), (3, 2), (3, 2)]  # and the test
+
+
+def test_best_pt_follows_the_monitor_and_test_weights_picks_what_is_tested(tmp_path, tiny_data):
+    """best.pt holds the epoch whose validation is best by checkpoint.monitor and mode (here the
+    validation loss falls every epoch, so min and max pick different ends), the test is of its
+    weights, and trainer.test_weights=last tests the final weights instead."""
+    overrides = [
+        f"data.root={tiny_data}",
+        *SMOKE,
+        "trainer.epochs=4",
+        "checkpoint.monitor=val/loss",
+    ]
+    runs = {}
+    for name, extra in {
+        "min": ["checkpoint.mode=min"],
+        "max": ["checkpoint.mode=max"],
+        "max-last": ["checkpoint.mode=max", "trainer.test_weights=last"],
+    }.items():
+        ok(train([*overrides, *extra], tmp_path / name))
+        runs[name] = single_run(tmp_path / name)
+    validations = read_metrics(runs["min"])[1][:-1]
+    losses = [m["val/loss"] for m in validations]
+    assert losses == sorted(losses, reverse=True) and len(set(losses)) == 4
+    for mode, epoch in (("min", 4), ("max", 1)):
+        saved = torch.load(runs[mode] / "checkpoints" / "best.pt", weights_only=True)
+        assert saved["epoch"] == saved["best"]["epoch"] == epoch, mode
+        assert saved["best"]["value"] == losses[epoch - 1]
+        assert read_test(runs[mode])["test/weights_epoch"] == epoch
+    assert read_test(runs["max-last"])["test/weights_epoch"] == 4
+    assert read_test(runs["max-last"])["test/loss"] == read_test(runs["min"])["test/loss"]
+    assert read_test(runs["max-last"])["test/loss"] != read_test(runs["max"])["test/loss"]
+
+
+def test_without_a_validation_split_nothing_is_selected_and_the_test_comes_once(
+    tmp_path, tiny_data
+):
+    """data.val_size=0 (pytorch/examples' protocol): no validations, no best.pt, and the test
+    split once, on the final weights."""
+    ok(train([f"data.root={tiny_data}", *SMOKE, "data.val_size=0"], tmp_path))
+    run_dir = single_run(tmp_path)
+    steps, evals = read_metrics(run_dir)
+    assert steps[-1]["step"] == 8  # 250 training images in batches of 64: 4 steps an epoch
+    assert evals == [read_test(run_dir)] and evals[0]["test/weights_epoch"] == 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["best"] is None
 
 
 def test_dp_without_gpus_warns_once_and_trains_like_none(tmp_path, tiny_data):
@@ -82,10 +131,11 @@ def test_ddp_two_processes_one_run_folder_same_results(tmp_path, tiny_data):
     ref_steps, ref_evals = read_metrics(single_run(tmp_path / "none"))
     assert [m["step"] for m in steps] == [m["step"] for m in ref_steps]
     for ours, ref in zip(steps + evals, ref_steps + ref_evals, strict=True):
-        for key in ("train/loss", "test/loss"):
+        for key in ("train/loss", "val/loss", "test/loss"):
             if key in ref:
                 assert math.isclose(ours[key], ref[key], rel_tol=1e-5), (key, ours, ref)
-    assert [m["test/correct"] for m in evals] == [m["test/correct"] for m in ref_evals]
+        for key in ("val/correct", "test/correct", "test/weights_epoch"):
+            assert ours.get(key) == ref.get(key), (key, ours, ref)
 
 
 def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
@@ -152,8 +202,12 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
     assert not list(REPO.glob("wandb"))
     summary = wandb_summary(run_dir)
     _, evals = read_metrics(run_dir)
+    best = max(evals[:-1], key=lambda m: m["val/acc"])  # the first of equals, as best.pt
     assert summary["state"] == "finished"
-    assert summary["summary"]["test/acc"] == evals[-1]["test/acc"]
+    test = read_test(run_dir)
+    assert summary["summary"]["test/acc"] == test["test/acc"]
+    assert summary["summary"]["best/val/acc"] == best["val/acc"]
+    assert summary["summary"]["best/epoch"] == test["test/weights_epoch"] == best["epoch"]
     assert summary["config"]["data"]["batch_size"] == 64  # the resolved Hydra config
 
 
@@ -177,7 +231,9 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     with (good.parent / "summary.csv").open() as file:  # the sweep's summary, best job first
         rows = list(csv.DictReader(file))
     assert [(r["job"], r["status"]) for r in rows] == [("0", "completed"), ("1", "failed")]
-    assert float(rows[0]["test/acc"]) == read_metrics(good)[1][-1]["test/acc"]
+    assert rows[0]["monitor"] == "val/acc" and rows[1]["best"] == ""
+    assert float(rows[0]["best"]) == max(m["val/acc"] for m in read_metrics(good)[1][:-1])
+    assert float(rows[0]["test/acc"]) == read_test(good)["test/acc"]
     assert "data.batch_size=32" in rows[0]["overrides"] and float(rows[0]["wall_s"]) > 0
     assert result.stdout.count("Sweep summary") == 1  # printed also when a job failed
 
@@ -190,6 +246,7 @@ def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
         "parallel=ddp",
         "trainer.max_steps=2",
         f"paths.log_dir={tmp_path / 'outputs'}",
+        *defaults_for_tests([]),
     ]
     result = ok(
         run(
