@@ -238,6 +238,24 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert result.stdout.count("Sweep summary") == 1  # printed also when a job failed
 
 
+@pytest.mark.parametrize(("mode", "order"), [("max", [2, 0, 1, 3]), ("min", [1, 0, 2, 3])])
+def test_sweep_summary_ranks_jobs_by_the_monitor_never_by_the_test(tmp_path, mode, order):
+    """summary.csv: the best value of checkpoint.monitor first, as its mode says; a job without
+    one (failed, or no validation split) last. The test accuracy plays no part."""
+    from src.sweep import _write
+
+    values = [(0.5, 0.99), (0.4, 0.98), (0.7, 0.10), (None, None)]  # (best, test/acc) per job
+    for job, (best, test_acc) in enumerate(values):
+        (tmp_path / str(job)).mkdir()
+        record = {"job": job, "overrides": "", "monitor": "val/loss", "best": best, "mode": mode,
+                  "best_epoch": 1, "test/acc": test_acc, "test/loss": None, "wall_s": 1.0,
+                  "status": "completed", "folder": ""}  # fmt: skip
+        (tmp_path / str(job) / "job.json").write_text(json.dumps(record))
+    assert [job["job"] for job in _write(tmp_path)] == order
+    with (tmp_path / "summary.csv").open() as file:
+        assert [int(row["job"]) for row in csv.DictReader(file)] == order
+
+
 def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
     """torch.distributed.launch appends --local-rank=N, which Hydra alone would reject."""
     overrides = [
