@@ -1,5 +1,5 @@
-"""The benchmark runs every configuration it reports, here on tiny data (.ci/run runs it on
-Fashion-MNIST); its figures are not checked, only that each row was measured."""
+"""The benchmark runs every configuration it reports, here on tiny data; its figures are not
+checked, only that each row was measured."""
 
 import csv
 import subprocess
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from conftest import REPO, offline_env
+from test_readme import readme_commands
 
 
 @pytest.mark.slow
@@ -28,3 +29,18 @@ def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
     assert all(float(r["images_per_s"]) > 0 for r in rows)
     assert "global batch 32" in (out / "table.md").read_text().splitlines()[0]
     assert (out / "images_per_s.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_readme_benchmark_command_runs_every_row(tmp_path, tiny_data):
+    """The README's command as written (three runs of each row), on the tiny data."""
+    (command,) = [c for c in readme_commands() if c.startswith("python bench/run.py")]
+    words = [sys.executable, *command.split()[1:], f"--root={tiny_data}", f"--out={tmp_path}"]
+    result = subprocess.run(
+        words, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert {(r["model"], r["processes"]) for r in rows} == {("mlp", "1"), ("mlp", "2")}
+    assert len(rows) == 8 and all(float(r["images_per_s"]) > 0 for r in rows)

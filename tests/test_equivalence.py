@@ -63,17 +63,28 @@ WEIGHT_ATOL = 1e-6
 EVAL_LOSS_ATOL = 1e-7
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_data):
-    """Each mode's metrics and final checkpoint, trained once for all the tests below."""
-    results = {}
-    for name, (overrides, nproc) in MODES.items():
-        tmp = tmp_path_factory.mktemp(name)
-        ok(train([f"data.root={tiny_data}", *RECIPE, *overrides], tmp, nproc=nproc))
+class Runs(dict):
+    """Each mode's metrics and final checkpoint, trained the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory, data):
+        super().__init__()
+        self.tmp_path_factory, self.data = tmp_path_factory, data
+
+    def __missing__(self, name: str):
+        overrides, nproc = MODES[name]
+        tmp = self.tmp_path_factory.mktemp(name)
+        ok(train([f"data.root={self.data}", *RECIPE, *overrides], tmp, nproc=nproc))
         (run_dir,) = run_dirs(tmp)
         checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-        results[name] = (*read_metrics(run_dir), checkpoint)
-    return results
+        self[name] = (*read_metrics(run_dir), checkpoint)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data):
+    """The modes' runs, each trained once for all the tests below (the slow two-machine test
+    needs only none's)."""
+    return Runs(tmp_path_factory, tiny_data)
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])

@@ -1,6 +1,7 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
-The set-up commands (pip, apt-get), `pytest` itself and the benchmark are run by .ci/run.
+The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run, the benchmark by
+tests/test_bench.py.
 """
 
 import re
