@@ -77,7 +77,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 if len(data.val[1]):
                     at = {"step": fitted.step, "epoch": fitted.epoch}
                     val = evaluate_and_log(model, data, "val", proc, logger, cfg.trainer, at,
-                                           f"{weights[0]}")  # fmt: skip
+                                           str(weights[0]))  # fmt: skip
                     result = val[cfg.checkpoint.monitor]
             test(model, data, proc, logger, cfg.trainer, fitted, run_dir)  # once, at the end
             if cfg.plots and proc.is_main:

@@ -206,7 +206,8 @@ def fit(
                  epoch_step, step)  # fmt: skip
     if step == max_steps or first_epoch > trainer.epochs or stops_early(best, patience):
         log.info("Nothing left to train: the checkpoint is at the end of this run.")
-        return Fitted(first_epoch - (epoch_step == 0), step, best)
+        ended_in = first_epoch if epoch_step else first_epoch - 1  # saved mid-epoch, or after it
+        return Fitted(ended_in, step, best)
 
     def save(epoch: int, epoch_step: int, path: Path = last_pt) -> None:  # as training stands now
         if cfg.checkpoint.save:
