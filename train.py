@@ -20,13 +20,13 @@ from omegaconf import DictConfig
 
 from src import distributed, launch
 from src.run import train
-from src.training import check_config
+from src.settings import read_settings
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     if launch.spawns(cfg):  # parallel=ddp without torchrun: start the DDP processes here
-        check_config(cfg)  # before any process starts
+        read_settings(cfg)  # its values checked before any process starts
         return launch.spawn(train, cfg)
     if distributed.under_torchrun():  # a DDP worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)

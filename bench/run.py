@@ -6,6 +6,7 @@ same tensors (bench/bare.py), the ceiling the template's own overhead is measure
     python bench/run.py --models mlp           # the MLP rows only
     python bench/run.py --repeats 1            # one run of each instead of the fastest of three
     python bench/run.py --models cnn --batch-size 1024 --fast   # the GPU recipe
+    python bench/run.py --processes 2 --loaders tensor --accumulate 1 4   # 4 micro-batches a step
 
 Prints the table, and writes results.csv, table.md and images_per_s.png into
 bench/results/<date-time>/. Recipe: global batch 64 (--batch-size), SGD lr 0.01, one epoch;
@@ -41,24 +42,39 @@ FAST_FLAGS = ["--precision", "bf16", "--channels-last", "--compile", "reduce-ove
               "--warmup-steps", "5"]  # fmt: skip
 
 
-def configurations(models: list[str], processes: list[int], workers: int) -> list[dict]:
-    rows = []
-    for model in models:
-        for nproc in processes:
-            best = [
-                "data.loader=torch",
-                f"data.num_workers={workers}",
-                "data.persistent_workers=true",
-                "data.pin_memory=true",
-            ]
-            for loader, extra in [
-                ("torch, 0 workers", ["data.loader=torch", "data.num_workers=0"]),
-                (f"torch, {workers} workers", best),
-                ("tensor", ["data.loader=tensor"]),
-            ]:
-                rows.append({"model": model, "processes": nproc, "loader": loader, "extra": extra})
-            rows.append({"model": model, "processes": nproc, "loader": "bare loop", "extra": []})
-    return rows
+def configurations(
+    models: list[str], processes: list[int], workers: int, loaders: list[str], accumulate: list[int]
+) -> list[dict]:
+    """The rows: each model and process count with each loader (`torch` is a DataLoader with 0
+    and with `workers` workers; `tensor` the in-memory path, once per `accumulate` value)."""
+    best = [
+        "data.loader=torch",
+        f"data.num_workers={workers}",
+        "data.persistent_workers=true",
+        "data.pin_memory=true",
+    ]
+    variants = []
+    if "torch" in loaders:
+        variants += [
+            ("torch, 0 workers", ["data.loader=torch", "data.num_workers=0"]),
+            (f"torch, {workers} workers", best),
+        ]
+    if "tensor" in loaders:
+        variants += [
+            (
+                "tensor" if k == 1 else f"tensor, {k} micro-batches",
+                ["data.loader=tensor", f"trainer.accumulate_grad_batches={k}"],
+            )
+            for k in accumulate
+        ]
+    if "bare" in loaders:
+        variants.append(("bare loop", []))
+    return [
+        {"model": model, "processes": nproc, "loader": loader, "extra": extra}
+        for model in models
+        for nproc in processes
+        for loader, extra in variants
+    ]
 
 
 def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
@@ -127,6 +143,20 @@ def main() -> None:
     )
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument(
+        "--loaders",
+        nargs="+",
+        default=["torch", "tensor", "bare"],
+        choices=["torch", "tensor", "bare"],
+        help="which rows: the DataLoader (torch), the in-memory tensors, the bare loop",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="trainer.accumulate_grad_batches values of the tensor rows (e.g. 1 4)",
+    )
+    parser.add_argument(
         "--fast", action="store_true", help="the GPU recipe: " + " ".join(FAST_OVERRIDES)
     )
     parser.add_argument(
@@ -140,7 +170,7 @@ def main() -> None:
 
     out = args.out / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True)
-    rows = configurations(args.models, args.processes, args.workers)
+    rows = configurations(args.models, args.processes, args.workers, args.loaders, args.accumulate)
     with tempfile.TemporaryDirectory() as scratch:
         # In turn, so that a machine slowing down or speeding up touches every row alike.
         for repeat in range(1, args.repeats + 1):
@@ -160,14 +190,14 @@ def main() -> None:
         row["train_s"] = runs[-1]["time/train_s"]
         row["peak_rss_mb"] = max(timing["memory/peak_rss_mb"] for timing in runs)
         row["peak_cuda_mb"] = max((t.get("memory/peak_cuda_mb", 0) for t in runs), default=0) or ""
-    for row in rows:  # each against the bare loop of its model and processes
-        bare = next(
+    for row in rows:  # each against the bare loop of its model and processes, if measured
+        bare = [
             r
             for r in rows
             if r["loader"] == "bare loop"
             and (r["model"], r["processes"]) == (row["model"], row["processes"])
-        )
-        row["vs_bare_loop"] = row["images_per_s"] / bare["images_per_s"]
+        ]
+        row["vs_bare_loop"] = row["images_per_s"] / bare[0]["images_per_s"] if bare else None
     fields = [
         "model",
         "processes",
@@ -203,7 +233,9 @@ def markdown(rows: list[dict]) -> str:
     ]
     lines += [
         f"| {r['model']} | {r['processes']} | {r['loader']} | {r['images_per_s']:,.0f} | "
-        f"{r['slowest']:,.0f} | {r['vs_bare_loop']:.2f} | "
+        f"{r['slowest']:,.0f} | "
+        + ("–" if r["vs_bare_loop"] is None else f"{r['vs_bare_loop']:.2f}")
+        + " | "
         f"{r['peak_rss_mb']:,.0f} |"
         for r in rows
     ]

@@ -17,18 +17,19 @@ import re
 import shutil
 import zipfile
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from src.distributed import Process, unwrap
 from src.errors import UserError
+from src.settings import Checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,127 @@ class Best:
         if saved:
             log.warning(
                 "The checkpoint picked its best epoch by %s (%s), this run by %s (%s): the best "
-                "so far starts afresh.", saved["monitor"], saved["mode"], monitor, mode,
-            )  # fmt: skip
+                "so far starts afresh.",
+                saved["monitor"],
+                saved["mode"],
+                monitor,
+                mode,
+            )
         return cls(monitor, mode)
+
+
+@dataclass
+class Progress:
+    """Where training stands: what a checkpoint records, and where a resumed run continues."""
+
+    epoch: int = 1  # the epoch training is in, from 1
+    epoch_step: int = 0  # its batches done
+    step: int = 0  # optimizer steps done in all
+    metrics: dict[str, Any] = field(default_factory=dict)  # the last validation's
+    best: Best | None = None  # the best validation so far; None without a validation split
+
+    @classmethod
+    def start(
+        cls,
+        policy: Checkpointing,
+        validates: bool,
+        resumed: dict[str, Any] | None,
+        steps_per_epoch: int,
+    ) -> Progress:
+        """A fresh start, or where the `resumed` checkpoint stood (the next epoch, if it was saved
+        at the end of one)."""
+        best = Best(policy.monitor, policy.mode) if validates else None
+        if not resumed:
+            return cls(best=best)
+        progress = cls(
+            resumed["epoch"], resumed["epoch_step"], resumed["step"], resumed["metrics"], best
+        )
+        if best:
+            progress.best = Best.resume(best.monitor, best.mode, resumed.get("best"))
+        if progress.epoch_step >= steps_per_epoch:  # saved at the end of an epoch
+            progress.epoch, progress.epoch_step = progress.epoch + 1, 0
+        log.info(
+            "Resuming at epoch %d, after %d of its batches, step %d",
+            progress.epoch,
+            progress.epoch_step,
+            progress.step,
+        )
+        return progress
+
+    @property
+    def record(self) -> dict[str, int]:
+        """What a logged line says of where training stands."""
+        return {"step": self.step, "epoch": self.epoch}
+
+    @property
+    def about(self) -> str:
+        return f"epoch {self.epoch}, step {self.step}"
+
+    @property
+    def ended_in(self) -> int:
+        """The last epoch trained in: this one if it has begun, else the one before."""
+        return self.epoch if self.epoch_step else self.epoch - 1
+
+
+class Parts(NamedTuple):
+    """What training changes, and a checkpoint saves and restores."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # float16's loss scale; disabled (a no-op) for other precisions
+
+
+class Checkpointer:
+    """What is saved, and when: `last.pt` after every epoch (and every `every_n_steps` steps,
+    and when training stops early), `best.pt` when an epoch's validation is the best so far by
+    `monitor`. With `save=false` nothing is written, but the best epoch is still tracked."""
+
+    def __init__(
+        self,
+        policy: Checkpointing,
+        run_dir: Path,
+        proc: Process,
+        parts: Parts,
+        config: dict[str, Any],
+        wandb_id: str | None,
+    ):
+        self.policy, self.run_dir, self.proc, self.parts = policy, run_dir, proc, parts
+        self.config, self.wandb_id = config, wandb_id
+        self.last, self.best = (
+            run_dir / "checkpoints" / "last.pt",
+            run_dir / "checkpoints" / "best.pt",
+        )
+        self.saved_step: int | None = None  # the step of the last.pt this run wrote last
+
+    def save(self, progress: Progress) -> None:
+        """`last.pt`, as training stands now."""
+        if self.policy.save:
+            save(self.last, self.proc, self.parts, progress, self.config, self.wandb_id)
+            self.saved_step = progress.step
+
+    def due(self, progress: Progress, epoch_steps: int) -> bool:
+        """Whether `last.pt` is due after this step: every `every_n_steps` steps within an epoch
+        (the epoch's end saves anyway)."""
+        every = self.policy.every_n_steps
+        return bool(
+            self.policy.save
+            and every
+            and progress.step % every == 0
+            and progress.epoch_step < epoch_steps
+        )
+
+    def epoch_done(self, progress: Progress) -> None:
+        """After an epoch and its validation: `best.pt` if it is the best so far, and `last.pt`."""
+        best = progress.best
+        if not (best and best.update(progress.metrics, progress.epoch)):
+            self.save(progress)
+        elif self.policy.save:
+            # best.pt first: a kill between the two writes leaves last.pt behind it, and the
+            # resumed run redoes this epoch and writes the same best.pt again.
+            save(self.best, self.proc, self.parts, progress, self.config, self.wandb_id)
+            copy(self.best, self.last, self.proc)
+            self.saved_step = progress.step
 
 
 def rng_state() -> dict[str, Any]:
@@ -98,41 +217,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(
     path: Path,
     proc: Process,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    epoch: int,
-    epoch_step: int,
-    step: int,
-    best: Best | None,
-    cfg: DictConfig,
-    metrics: dict[str, Any],
+    parts: Parts,
+    progress: Progress,
+    config: dict[str, Any],
     wandb_id: str | None,
-    scaler: torch.amp.GradScaler,
 ) -> None:
     """Write a checkpoint to `path` from the main process, atomically; every rank waits for it.
 
-    `epoch` is the epoch training is in (from 1) and `epoch_step` how many of its batches are done.
-    Each rank's random state is kept (dropout differs per rank), gathered to the main process.
-    The file is written beside its final name and renamed over it, so a kill during the write
-    leaves the previous checkpoint whole.
+    `parts` are the model (its plain `state_dict` is saved), the optimizer, the scheduler and the
+    gradient scaler. Each rank's random state is kept (dropout differs per rank), gathered to the
+    main process. The file is written beside its final name and renamed over it, so a kill
+    during the write leaves the previous checkpoint whole.
     """
     rng = proc.all_gather_object(rng_state())
     if proc.is_main:
         state = {
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),  # {} unless trainer.precision=16
-            "epoch": epoch,
-            "epoch_step": epoch_step,
-            "step": step,
-            "best": best and asdict(best),  # None without a validation split
+            "model": unwrap(parts.model).state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(),
+            "scaler": parts.scaler.state_dict(),  # {} unless trainer.precision=16
+            "epoch": progress.epoch,
+            "epoch_step": progress.epoch_step,
+            "step": progress.step,
+            "best": progress.best and asdict(progress.best),  # None without a validation split
             "rng": rng,
-            "config": OmegaConf.to_container(cfg, resolve=True),
+            "config": config,
             "wandb_id": wandb_id,
-            "metrics": metrics,
+            "metrics": progress.metrics,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.partial")
@@ -189,8 +300,10 @@ def _best_pt_beside(
         if not found:
             log.warning(
                 "%s records its best epoch (%d), but no best.pt lies beside it: the best so far "
-                "starts afresh.", resumed, best["epoch"],
-            )  # fmt: skip
+                "starts afresh.",
+                resumed,
+                best["epoch"],
+            )
     return best if proc.broadcast_object(found) else None
 
 
@@ -318,19 +431,17 @@ def _shape(tensor: torch.Tensor) -> str:
     return "×".join(map(str, tensor.shape)) or "scalar"
 
 
-def restore(
-    state: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    proc: Process,
-) -> bool:
-    """Continue the optimizer, the schedule and this rank's random streams from `state`.
+def restore(state: dict[str, Any], parts: Parts, proc: Process) -> bool:
+    """Continue the optimizer, the schedule, the loss scale and this rank's random streams from
+    `state`.
 
     Call after the scheduler is built: building one resets the optimizer's learning rate.
     Returns False when the random streams could not continue (another number of processes).
     """
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):  # {} from a run without float16's loss scaling: start a fresh scale
+        parts.scaler.load_state_dict(state["scaler"])
     if len(state["rng"]) != proc.world_size:
         log.warning(
             "The checkpoint was saved by %d processes and this run has %d: weights, optimizer, "

@@ -12,15 +12,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from src import checkpoint, distributed, plots
+from src.checkpoint import Checkpointer, Parts
 from src.logger import open_logger
+from src.settings import Trainer, read_settings
 from src.training import (
     Fitted,
     build_scheduler,
-    check_config,
+    check_accumulation,
     evaluate_and_log,
     fit,
     seed_everything,
@@ -38,16 +42,20 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     Returns the best validation value of `checkpoint.monitor` (what a sweeper optimises), or
     None without a validation split. `run_dir` defaults to the folder Hydra made for the run.
     """
-    check_config(cfg)
-    set_deterministic(cfg.trainer.deterministic)
+    settings = read_settings(cfg)  # the config's values, checked before any work
+    trainer = settings.trainer
+    set_deterministic(trainer.deterministic)
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
         run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
-        if proc.is_main:  # the config as this run uses it, interpolations resolved
-            config = OmegaConf.to_yaml(cfg, resolve=True)
-            log.info("Config:\n%s", config)
-            (run_dir / "config_resolved.yaml").write_text(config)
+        config = OmegaConf.to_container(
+            cfg, resolve=True
+        )  # as this run uses it, with each checkpoint
+        if proc.is_main:
+            text = OmegaConf.to_yaml(config)
+            log.info("Config:\n%s", text)
+            (run_dir / "config_resolved.yaml").write_text(text)
         # (path, checkpoint): the one training continues from, else the one whose weights it
         # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
         resumed = checkpoint.find_resume(cfg, run_dir, proc)
@@ -56,30 +64,31 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             data = instantiate(cfg.data)
             data.setup(proc)
 
-            seed_everything(cfg.seed)  # the same initial weights on every rank
-            model = instantiate(cfg.model).to(proc.device)
-            if weights:
-                checkpoint.load_model(model, *weights)
-            model = distributed.wrap(speed_up(model, cfg.trainer), cfg, proc)
+            model = build_model(cfg, trainer, proc, weights)
             if cfg.train:
-                optimizer = instantiate(cfg.optimizer, model.parameters())
-                total_steps = data.steps_per_epoch * cfg.trainer.epochs
-                total_steps = min(total_steps, cfg.trainer.max_steps or total_steps)
-                scheduler = build_scheduler(cfg, optimizer, total_steps)
+                check_accumulation(trainer, data.batch_size, proc.world_size)
                 state = resumed and resumed[1]
-                if not (state and checkpoint.restore(state, optimizer, scheduler, proc)):
-                    seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-                fitted = fit(model, optimizer, scheduler, data, proc, cfg, logger, run_dir, state)
+                parts = build_parts(cfg, model, data.steps_per_epoch, proc, state)
+                saver = Checkpointer(
+                    settings.checkpoint,
+                    run_dir,
+                    proc,
+                    parts,
+                    config,
+                    logger.run_id if logger else None,
+                )
+                fitted = fit(parts, data, proc, settings, saver, logger, run_dir, state)
                 result = fitted.best and fitted.best.value
             else:  # train=false: the checkpoint's weights, on the validation split too
                 fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
                 result = None
                 if len(data.val[1]):
                     at = {"step": fitted.step, "epoch": fitted.epoch}
-                    val = evaluate_and_log(model, data, "val", proc, logger, cfg.trainer, at,
-                                           str(weights[0]))  # fmt: skip
-                    result = val[cfg.checkpoint.monitor]
-            test(model, data, proc, logger, cfg.trainer, fitted, run_dir)  # once, at the end
+                    val = evaluate_and_log(
+                        model, data, "val", proc, logger, trainer, at, str(weights[0])
+                    )
+                    result = val[settings.checkpoint.monitor]
+            test(model, data, proc, logger, trainer, fitted, run_dir)  # once, at the end
             if cfg.plots and proc.is_main:
                 pictures = plots.draw(run_dir, distributed.unwrap(model), data)
                 if logger:
@@ -88,3 +97,39 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     finally:
         distributed.teardown()
     return result
+
+
+def build_model(
+    cfg: DictConfig, trainer: Trainer, proc: distributed.Process, weights: tuple | None
+) -> nn.Module:
+    """The model of `cfg.model`, the same on every rank, with the checkpoint `weights` if given,
+    wrapped as the parallel mode trains it."""
+    seed_everything(cfg.seed)  # the same initial weights on every rank
+    model = instantiate(cfg.model).to(proc.device)
+    if weights:
+        checkpoint.load_model(model, *weights)
+    if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return distributed.wrap(speed_up(model, trainer), cfg, proc)
+
+
+def build_parts(
+    cfg: DictConfig,
+    model: nn.Module,
+    steps_per_epoch: int,
+    proc: distributed.Process,
+    state: dict | None,
+) -> Parts:
+    """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
+    the checkpoint `state` training resumes."""
+    trainer = cfg.trainer
+    optimizer = instantiate(cfg.optimizer, model.parameters())
+    total_steps = steps_per_epoch * trainer.epochs
+    total_steps = min(total_steps, trainer.max_steps or total_steps)
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    # float16 gradients underflow without loss scaling; for other precisions it is off.
+    scaler = torch.amp.GradScaler(proc.device.type, enabled=str(trainer.precision) == "16")
+    parts = Parts(model, optimizer, scheduler, scaler)
+    if not (state and checkpoint.restore(state, parts, proc)):
+        seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
+    return parts

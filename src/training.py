@@ -1,4 +1,9 @@
-"""The training loop and the evaluation: the same code for every parallel mode."""
+"""The training loop and the evaluation: the same code for every parallel mode.
+
+Read it top down: `fit` runs the epochs, `train_epoch` one pass over the training batches,
+`train_step` one optimizer step, `evaluate` one split. What is saved and when is decided in
+`src/checkpoint.py`, the settings are checked in `src/settings.py`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, islice
 from pathlib import Path
@@ -26,18 +30,14 @@ from torch import nn
 from tqdm import tqdm
 
 from src import checkpoint
-from src.checkpoint import Best
+from src.checkpoint import Best, Checkpointer, Parts, Progress
 from src.data import MNISTData
 from src.distributed import Process, unwrap
 from src.errors import UserError
 from src.logger import MetricsLogger
+from src.settings import Settings, Trainer
 
 log = logging.getLogger(__name__)
-
-
-PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
-MONITORS = ("val/acc", "val/loss")  # what each validation measures
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def seed_everything(seed: int) -> None:
@@ -61,58 +61,7 @@ def set_deterministic(on: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Stop on values the config's types allow but training cannot use, before any work."""
-    rules = [
-        ("trainer.epochs", cfg.trainer.epochs >= 1, "at least 1"),
-        ("trainer.max_steps", cfg.trainer.max_steps is None or cfg.trainer.max_steps >= 1,
-         "null or at least 1"),
-        ("trainer.log_every_n_steps", cfg.trainer.log_every_n_steps >= 1, "at least 1"),
-        ("data.subset", cfg.data.get("subset") is None or cfg.data.subset >= 1,
-         "null or at least 1"),
-        ("scheduler.interval", cfg.scheduler.get("interval") in ("epoch", "step"),
-         "epoch or step"),
-        ("trainer.precision", str(cfg.trainer.precision) in PRECISIONS, "32, bf16 or 16"),
-        ("trainer.compile", cfg.trainer.compile in (True, False, *COMPILE_MODES),
-         f"true, false or a mode: {', '.join(COMPILE_MODES)}"),
-        ("trainer.profile", cfg.trainer.profile is None or cfg.trainer.profile >= 1,
-         "null or at least 1"),
-        ("trainer.warmup_steps", cfg.trainer.warmup_steps >= 0, "0 or more"),
-        ("checkpoint.every_n_steps",
-         cfg.checkpoint.every_n_steps is None or cfg.checkpoint.every_n_steps >= 1,
-         "null or at least 1"),
-        ("data.val_size", cfg.data.get("val_size", 0) >= 0, "0 (none) or more"),
-        ("checkpoint.monitor", cfg.checkpoint.monitor in MONITORS, " or ".join(MONITORS)),
-        ("checkpoint.mode", cfg.checkpoint.mode in ("max", "min"), "max or min"),
-        ("trainer.test_weights", cfg.trainer.test_weights in ("best", "last"), "best or last"),
-        ("trainer.early_stopping_patience",
-         cfg.trainer.early_stopping_patience is None or cfg.trainer.early_stopping_patience >= 1,
-         "null or at least 1"),
-    ]  # fmt: skip
-    for key, good, allowed in rules:
-        if not good:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not allowed: use {allowed}.")
-    selects = cfg.train and cfg.data.get("val_size", 0) > 0
-    if cfg.trainer.early_stopping_patience is not None and not selects:
-        raise UserError(
-            "trainer.early_stopping_patience watches the validation split, and data.val_size=0 "
-            "holds none out: set data.val_size (e.g. 5000) or trainer.early_stopping_patience=null."
-        )
-    if selects and cfg.trainer.test_weights == "best" and not cfg.checkpoint.save:
-        raise UserError(
-            "trainer.test_weights=best tests the weights of best.pt, which checkpoint.save=false "
-            "does not write: set trainer.test_weights=last, or checkpoint.save=true."
-        )
-    if not cfg.train and cfg.ckpt_path is None:
-        raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
-    if cfg.train and cfg.ckpt_path is not None:
-        raise UserError(
-            "ckpt_path is the checkpoint to evaluate with train=false. To continue training from "
-            "it use resume=PATH; to start from its weights, init_from=PATH."
-        )
-
-
-def speed_up(model: nn.Module, trainer: DictConfig) -> nn.Module:
+def speed_up(model: nn.Module, trainer: Trainer) -> nn.Module:
     """The plain model, channels-last and compiled as `trainer` asks; before any DDP wrapper."""
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -121,9 +70,9 @@ def speed_up(model: nn.Module, trainer: DictConfig) -> nn.Module:
     return model
 
 
-def autocast(device: torch.device, precision: Any) -> AbstractContextManager:
+def autocast(device: torch.device, trainer: Trainer | None) -> AbstractContextManager:
     """Mixed precision for `trainer.precision` (bf16 or 16); nothing at all for 32."""
-    dtype = PRECISIONS[str(precision)]
+    dtype = trainer and trainer.autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
@@ -137,6 +86,19 @@ def build_scheduler(
     if "total_steps" in spec and spec["total_steps"] is None:
         spec["total_steps"] = total_steps
     return instantiate(spec, optimizer)
+
+
+def check_accumulation(trainer: Trainer, batch_size: int, world_size: int) -> None:
+    """Each process splits its share of a global batch into `accumulate_grad_batches` parts:
+    refuse a split that leaves one empty. (A smaller last batch is split into fewer parts.)"""
+    share, parts = batch_size // world_size, trainer.accumulate_grad_batches
+    if parts > share:
+        raise UserError(
+            f"trainer.accumulate_grad_batches={parts} splits each process's share of a batch "
+            f"({share} images: data.batch_size={batch_size} over {world_size} processes) into "
+            f"{parts} micro-batches, and some would be empty. Use at most {share}, or a larger "
+            "data.batch_size."
+        )
 
 
 class StopSignals:
@@ -165,164 +127,8 @@ class Stopped(CompactHydraException):
     """Training stopped on a signal after saving its checkpoint; Hydra prints the message alone."""
 
 
-def fit(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: MNISTData,
-    proc: Process,
-    cfg: DictConfig,
-    logger: MetricsLogger | None,
-    run_dir: Path,
-    resumed: dict[str, Any] | None = None,
-) -> Fitted:
-    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping),
-    validating after each and saving `checkpoints/last.pt`, and `best.pt` when the validation is
-    the best so far by `checkpoint.monitor`; continue where the `resumed` checkpoint stood.
-
-    Without a validation split (`data.val_size=0`) nothing is validated or selected. The test
-    split is not touched here. `logger` is None on every process but the main one.
-    """
-    trainer, step_interval = cfg.trainer, cfg.scheduler.interval == "step"
-    last_pt, best_pt = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
-    first_epoch, epoch_step, step, metrics = 1, 0, 0, {}
-    validates, patience = len(data.val[1]) > 0, trainer.early_stopping_patience
-    best = Best(cfg.checkpoint.monitor, cfg.checkpoint.mode) if validates else None
-    # float16 gradients underflow without loss scaling; for other precisions the scaler is a no-op.
-    scaler = torch.amp.GradScaler(proc.device.type, enabled=str(trainer.precision) == "16")
-    layout = torch.channels_last if trainer.channels_last else torch.contiguous_format
-    # Plain values for the loop: each read of a DictConfig costs microseconds, at every step.
-    precision, max_steps = trainer.precision, trainer.max_steps
-    log_every = trainer.log_every_n_steps
-    if resumed:
-        scaler.load_state_dict(resumed.get("scaler", {}))
-        first_epoch, epoch_step, step = resumed["epoch"], resumed["epoch_step"], resumed["step"]
-        metrics = resumed["metrics"]
-        if validates:
-            best = Best.resume(best.monitor, best.mode, resumed.get("best"))
-        if epoch_step >= data.steps_per_epoch:  # saved at the end of an epoch
-            first_epoch, epoch_step = first_epoch + 1, 0
-        log.info("Resuming at epoch %d, after %d of its batches, step %d", first_epoch,
-                 epoch_step, step)  # fmt: skip
-    if step == max_steps or first_epoch > trainer.epochs or stops_early(best, patience):
-        log.info("Nothing left to train: the checkpoint is at the end of this run.")
-        ended_in = first_epoch if epoch_step else first_epoch - 1  # saved mid-epoch, or after it
-        return Fitted(ended_in, step, best)
-
-    def save(epoch: int, epoch_step: int, path: Path = last_pt) -> None:  # as training stands now
-        if cfg.checkpoint.save:
-            checkpoint.save(
-                path, proc, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
-                epoch_step=epoch_step, step=step, best=best, cfg=cfg, metrics=metrics,
-                wandb_id=logger.run_id if logger else None, scaler=scaler,
-            )  # fmt: skip
-
-    def stop_now() -> NoReturn:
-        if not proc.is_main:
-            sys.exit(1)  # quietly: rank 0 tells the user
-        if not cfg.checkpoint.save:
-            raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
-        raise Stopped(
-            f"Stopped by a signal after step {step}; {last_pt} is saved. "
-            f"Run the same command with hydra.run.dir={run_dir} to resume."
-        )
-
-    def train_step(images: torch.Tensor, labels: torch.Tensor, global_size: int) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast(proc.device, precision):
-            logits = model(images.contiguous(memory_format=layout))
-            loss = train_loss(logits, labels, global_size, proc.world_size)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        return loss
-
-    if trainer.warmup_steps:
-        seconds = warm_up(train_step, model, optimizer, scaler, data, proc, trainer)
-        log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
-        if logger:
-            logger.log({"step": step, "time/warmup_s": seconds})
-
-    every, stop, train_seconds = cfg.checkpoint.every_n_steps, False, 0.0
-    with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
-        for epoch in range(first_epoch, trainer.epochs + 1):
-            model.train()
-            skip = epoch_step if epoch == first_epoch else 0  # batches done before a resume
-            epoch_step = skip
-            started, images_seen = time.perf_counter(), 0
-            bar = tqdm(
-                initial=skip,
-                total=data.steps_per_epoch,
-                desc=f"epoch {epoch}",
-                leave=False,
-                disable=not (proc.is_main and sys.stdout.isatty()),
-            )
-            for images, labels, global_size in data.train_batches(epoch, skip):
-                loss = train_step(images, labels, global_size)
-                lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-                if step_interval:
-                    scheduler.step()
-                step, epoch_step, images_seen = step + 1, epoch_step + 1, images_seen + global_size
-                bar.update()
-                if profile:
-                    profile.step()
-                if step % log_every == 0:
-                    # The mean over the global batch: the ranks' scaled losses average to it.
-                    # The same reduction tells every rank whether any was asked to stop.
-                    loss_sum, stop = proc.sum_over_ranks([loss.item(), bool(signals.received)])
-                    if logger:
-                        logger.log(
-                            {
-                                "step": step,
-                                "epoch": epoch,
-                                "train/loss": loss_sum / proc.world_size,
-                                "lr": lr,
-                            }
-                        )
-                elif proc.world_size == 1:  # no other rank to agree with: stop after this step
-                    stop = bool(signals.received)
-                if step == max_steps:
-                    break
-                if epoch_step < data.steps_per_epoch:  # else the epoch's end saves (and stops)
-                    if stop:
-                        save(epoch, epoch_step)
-                        stop_now()
-                    if every and step % every == 0:
-                        save(epoch, epoch_step)
-            bar.close()
-            speed = throughput(started, images_seen, proc.device)
-            train_seconds += speed["time/train_s"]
-            if not step_interval and epoch_step == data.steps_per_epoch:
-                scheduler.step()
-
-            if validates:
-                metrics = evaluate_and_log(model, data, "val", proc, logger, trainer,
-                                           {"step": step, "epoch": epoch},
-                                           f"epoch {epoch}, step {step}")  # fmt: skip
-            log.info("epoch %d trained in %.2f s (%.0f images/s); %.2f s in all", epoch,
-                     speed["time/train_s"], speed["time/images_per_s"], train_seconds)  # fmt: skip
-            if logger:
-                logger.log({"step": step, "epoch": epoch, **speed})
-            if validates and best.update(metrics, epoch):
-                # best.pt first: a kill between the two writes leaves last.pt behind it, and the
-                # resumed run redoes this epoch and writes the same best.pt again.
-                save(epoch, epoch_step, best_pt)
-                if cfg.checkpoint.save:
-                    checkpoint.copy(best_pt, last_pt, proc)
-            else:
-                save(epoch, epoch_step)
-            if stop:
-                stop_now()
-            if step == max_steps:
-                log.info("Stopped after trainer.max_steps=%d optimizer steps", step)
-                break
-            if stops_early(best, patience):
-                log.info(
-                    "Early stopping: %s has not improved for %d validations; the best, %.4f, "
-                    "was at epoch %d.", best.monitor, best.stale, best.value, best.epoch,
-                )  # fmt: skip
-                break
-    return Fitted(epoch, step, best)
+class NonFiniteLoss(CompactHydraException):
+    """The training loss became NaN or infinite; nothing after it was saved."""
 
 
 class Fitted(NamedTuple):
@@ -333,27 +139,284 @@ class Fitted(NamedTuple):
     best: Best | None
 
 
-def stops_early(best: Best | None, patience: int | None) -> bool:
-    """`trainer.early_stopping_patience` validations in a row without a new best."""
-    return best is not None and patience is not None and best.stale >= patience
+def fit(
+    parts: Parts,
+    data: MNISTData,
+    proc: Process,
+    settings: Settings,
+    checkpointer: Checkpointer,
+    logger: MetricsLogger | None,
+    run_dir: Path,
+    resumed: dict[str, Any] | None = None,
+) -> Fitted:
+    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping),
+    validating after each epoch and saving checkpoints; continue where `resumed` stood.
+
+    Without a validation split (`data.val_size=0`) nothing is validated or selected. The test
+    split is not touched here. `logger` is None on every process but the main one.
+    """
+    trainer = settings.trainer
+    progress = Progress.start(
+        checkpointer.policy, settings.validates, resumed, data.steps_per_epoch
+    )
+    if finished(progress, trainer):
+        log.info("Nothing left to train: the checkpoint is at the end of this run.")
+        return Fitted(progress.ended_in, progress.step, progress.best)
+    if trainer.warmup_steps:
+        warm_up(parts, data, proc, trainer, logger, progress.step)
+    with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
+        watch = Watch(proc, trainer, logger, signals, checkpointer)
+        while not finished(progress, trainer):
+            speed = train_epoch(parts, data, proc, trainer, progress, watch, profile)
+            watch.check(progress, parts.model)  # nothing non-finite is validated or saved
+            if settings.validates:
+                progress.metrics = evaluate_and_log(
+                    parts.model, data, "val", proc, logger, trainer, progress.record, progress.about
+                )
+            log_speed(speed, progress, logger)
+            checkpointer.epoch_done(progress)
+            if watch.stop:
+                stop_now(proc, checkpointer, progress.step)
+            if progress.epoch_step == data.steps_per_epoch:
+                progress.epoch, progress.epoch_step = progress.epoch + 1, 0
+    return Fitted(progress.ended_in, progress.step, progress.best)
+
+
+def finished(progress: Progress, trainer: Trainer) -> bool:
+    """Whether training is over: all epochs done, `max_steps` reached or stopped early."""
+    if progress.step == trainer.max_steps:
+        log.info("Stopped after trainer.max_steps=%d optimizer steps", progress.step)
+        return True
+    best, patience = progress.best, trainer.early_stopping_patience
+    if best is not None and patience is not None and best.stale >= patience:
+        log.info(
+            "Early stopping: %s has not improved for %d validations; the best, %.4f, was at "
+            "epoch %d.",
+            best.monitor,
+            best.stale,
+            best.value,
+            best.epoch,
+        )
+        return True
+    return progress.epoch > trainer.epochs
+
+
+def train_epoch(
+    parts: Parts,
+    data: MNISTData,
+    proc: Process,
+    trainer: Trainer,
+    progress: Progress,
+    watch: Watch,
+    profile: Any,
+) -> dict[str, float]:
+    """One pass over the training batches (what is left of it, after a resume), or up to
+    `max_steps` or a stop signal; returns its speed."""
+    parts.model.train()
+    started, images_seen = time.perf_counter(), 0
+    bar = tqdm(
+        initial=progress.epoch_step,
+        total=data.steps_per_epoch,
+        leave=False,
+        desc=f"epoch {progress.epoch}",
+        disable=not (proc.is_main and sys.stdout.isatty()),
+    )
+    for images, labels, global_size in data.train_batches(progress.epoch, progress.epoch_step):
+        logs = (progress.step + 1) % trainer.log_every_n_steps == 0
+        loss, grad_norm = train_step(parts, images, labels, global_size, proc, trainer, logs)
+        lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
+        if trainer.step_interval:
+            parts.scheduler.step()
+        progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
+        images_seen += global_size
+        bar.update()
+        if profile:
+            profile.step()
+        watch.step_done(progress, loss, lr, grad_norm)
+        if progress.step == trainer.max_steps or progress.epoch_step == data.steps_per_epoch:
+            break  # the epoch's end validates and saves
+        if watch.stop:
+            watch.save(progress)
+            stop_now(proc, watch.checkpointer, progress.step)
+        watch.step_saves(progress, data.steps_per_epoch)
+    bar.close()
+    if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
+        parts.scheduler.step()
+    return throughput(started, images_seen, proc.device)
+
+
+def train_step(
+    parts: Parts,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    global_size: int,
+    proc: Process,
+    trainer: Trainer,
+    measure_norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on this rank's share of a global batch of `global_size` images, in
+    `trainer.accumulate_grad_batches` micro-batches of which only the last all-reduces under DDP.
+
+    Returns this rank's loss (its part of the global batch's mean) and the gradients' global norm
+    before clipping, which is measured when `gradient_clip_val` clips or `measure_norm` asks.
+    """
+    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
+    optimizer.zero_grad(set_to_none=True)
+    micro = max(1, min(trainer.accumulate_grad_batches, len(labels)))
+    pieces = list(zip(images.tensor_split(micro), labels.tensor_split(micro), strict=True))
+    total = None
+    for i, (x, y) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
+        with nullcontext() if last or proc.mode != "ddp" else model.no_sync():
+            with autocast(proc.device, trainer):
+                logits = model(x.contiguous(memory_format=trainer.memory_format))
+                loss = train_loss(logits, y, global_size, proc.world_size, micro)
+            scaler.scale(loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    grad_norm = None
+    if trainer.gradient_clip_val is not None or measure_norm:
+        scaler.unscale_(optimizer)  # the true gradients (float16's scaler multiplied them)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        if trainer.gradient_clip_val is not None:
+            torch.nn.utils.clip_grads_with_norm_(
+                model.parameters(), trainer.gradient_clip_val, grad_norm
+            )
+    scaler.step(optimizer)  # float16: skipped when a gradient is not finite, then a lower scale
+    scaler.update()
+    return total, grad_norm
+
+
+def train_loss(
+    logits: torch.Tensor, labels: torch.Tensor, global_size: int, world_size: int, micro: int = 1
+) -> torch.Tensor:
+    """Cross-entropy scaled so that the gradient, summed over `micro` micro-batches and averaged
+    by DDP over the ranks, equals the mean over the whole global batch.
+
+    Each micro-batch sums its samples' losses and multiplies by world_size / global_size; the
+    micro-batches' gradients add up, and DDP divides the sum of the ranks' gradients by
+    world_size, which leaves the gradient of the mean loss over the global batch. With equal
+    micro-batches on equal shares (always in one process without accumulation) that is the plain
+    mean divided by `micro`, one operation fewer per step; the scaled sum keeps it exact when a
+    last batch splits unevenly.
+    """
+    if len(labels) * micro * world_size == global_size:
+        loss = F.cross_entropy(logits, labels)
+        return loss if micro == 1 else loss / micro
+    return F.cross_entropy(logits, labels, reduction="sum") * (world_size / global_size)
+
+
+class Watch:
+    """What the loop checks between steps without making the GPU wait at every one.
+
+    The losses stay on the device until a logging step (`trainer.log_every_n_steps`), a save or
+    the epoch's end; then one all-reduce gives every rank the global loss, whether any rank's
+    loss was not finite since the last check (the run stops, on every rank, before anything is
+    saved) and whether any rank received a stop signal.
+    """
+
+    def __init__(
+        self,
+        proc: Process,
+        trainer: Trainer,
+        logger: MetricsLogger | None,
+        signals: StopSignals,
+        checkpointer: Checkpointer,
+    ):
+        self.proc, self.trainer, self.logger, self.signals = proc, trainer, logger, signals
+        self.checkpointer = checkpointer
+        self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
+        self.stop = False
+
+    def step_done(
+        self, progress: Progress, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None
+    ) -> None:
+        self.losses.append((progress.step, loss))
+        if progress.step % self.trainer.log_every_n_steps == 0:
+            mean_loss = self.check(progress)
+            if self.logger:
+                record = {**progress.record, "train/loss": mean_loss, "lr": lr}
+                if grad_norm is not None:
+                    record["train/grad_norm"] = grad_norm.item()
+                self.logger.log(record)
+        elif self.proc.world_size == 1:  # no other rank to agree with: stop after this step
+            self.stop = bool(self.signals.received)
+
+    def check(self, progress: Progress, weights: nn.Module | None = None) -> float:
+        """Agree with the other ranks on the losses since the last check (and on the `weights`,
+        before they are saved or evaluated): stop every rank if one is not finite. Returns the
+        last step's loss, averaged over the ranks."""
+        steps, losses = zip(*self.losses, strict=True) if self.losses else ((), ())
+        bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
+        first_bad = steps[bad[0].item()] if len(bad) else None
+        broken = weights is not None and not all(p.isfinite().all() for p in weights.parameters())
+        last = losses[-1].item() if losses else 0.0
+        loss_sum, stop, bad_losses, bad_weights = self.proc.sum_over_ranks(
+            [last, bool(self.signals.received), first_bad is not None, broken]
+        )
+        self.losses, self.stop = [], self.stop or bool(stop)
+        if bad_losses:
+            first = min(s for s in self.proc.all_gather_object(first_bad) if s is not None)
+            raise non_finite(f"the training loss was not finite at step {first}", self)
+        if bad_weights:
+            raise non_finite(f"the weights were not finite after step {progress.step}", self)
+        return loss_sum / self.proc.world_size
+
+    def save(self, progress: Progress) -> None:
+        """`last.pt` now, once the losses and the weights are checked to be finite."""
+        self.check(progress, self.checkpointer.parts.model)
+        self.checkpointer.save(progress)
+
+    def step_saves(self, progress: Progress, epoch_steps: int) -> None:
+        """`checkpoint.every_n_steps`: `last.pt` within an epoch (its end saves anyway)."""
+        if self.checkpointer.due(progress, epoch_steps):
+            self.save(progress)
+
+
+def non_finite(what: str, watch: Watch) -> NonFiniteLoss:
+    """The one sentence a NaN or an infinity stops the run with."""
+    checkpointer, saved = watch.checkpointer, watch.checkpointer.saved_step
+    kept = "no checkpoint was written before it"
+    if saved is not None:
+        kept = f"{checkpointer.last} holds step {saved}, before it"
+    tries = ["a lower optimizer.lr", "trainer.gradient_clip_val=1.0"]
+    if watch.trainer.precision != "32":
+        tries.append("trainer.precision=32")
+    return NonFiniteLoss(
+        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({kept}). "
+        f"Try {', '.join(tries[:-1])} or {tries[-1]}."
+    )
+
+
+def stop_now(proc: Process, checkpointer: Checkpointer, step: int) -> NoReturn:
+    """End the run after a stop signal, with the command that resumes it."""
+    if not proc.is_main:
+        sys.exit(1)  # quietly: rank 0 tells the user
+    if not checkpointer.policy.save:
+        raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
+    raise Stopped(
+        f"Stopped by a signal after step {step}; {checkpointer.last} is saved. "
+        f"Run the same command with hydra.run.dir={checkpointer.run_dir} to resume."
+    )
 
 
 def warm_up(
-    train_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
+    parts: Parts,
     data: MNISTData,
     proc: Process,
-    trainer: DictConfig,
-) -> float:
+    trainer: Trainer,
+    logger: MetricsLogger | None,
+    step: int,
+) -> None:
     """`trainer.warmup_steps=N`: train N steps on the first batches of an epoch and one on its last
     (often smaller) batch, evaluate once, then undo it all: the weights, the optimizer, the scaler
     and the random generators are put back as they were, so training goes on exactly as without
     it. What stays is what is slow the first time: torch.compile's compilation (once per batch
-    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Returns its seconds.
+    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Logs its seconds.
     """
     started = time.perf_counter()
+    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     saved = copy.deepcopy((unwrap(model).state_dict(), optimizer.state_dict(), scaler.state_dict()))
     generators = checkpoint.rng_state()
     steps = min(trainer.warmup_steps, data.steps_per_epoch)
@@ -362,7 +425,7 @@ def warm_up(
     if steps < data.steps_per_epoch:
         batches = chain(batches, data.train_batches(1, skip=data.steps_per_epoch - 1))
     for images, labels, global_size in batches:
-        train_step(images, labels, global_size)
+        train_step(parts, images, labels, global_size, proc, trainer)
     evaluate(model, data, "val" if len(data.val[1]) else "test", proc, trainer)  # thrown away
     unwrap(model).load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
@@ -370,7 +433,10 @@ def warm_up(
     checkpoint.set_rng_state(generators)
     if proc.device.type == "cuda":
         torch.cuda.synchronize(proc.device)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
+    if logger:
+        logger.log({"step": step, "time/warmup_s": seconds})
 
 
 def profiler(steps: int | None, run_dir: Path, proc: Process) -> AbstractContextManager:
@@ -406,21 +472,39 @@ def throughput(started: float, images: int, device: torch.device) -> dict[str, f
     return speed
 
 
+def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger | None) -> None:
+    log.info(
+        "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB",
+        progress.epoch,
+        speed["time/train_s"],
+        speed["time/images_per_s"],
+        speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
+    )
+    if logger:
+        logger.log({**progress.record, **speed})
+
+
 def evaluate_and_log(
     model: nn.Module,
     data: MNISTData,
     split: str,
     proc: Process,
     logger: MetricsLogger | None,
-    trainer: DictConfig,
+    trainer: Trainer,
     record: dict[str, Any],
     about: str,
 ) -> dict[str, Any]:
     """Evaluate on `split` (val or test); print the result after `about` (where training stands,
     which weights), and log it with `record` (its step, epoch, ...)."""
     metrics = evaluate(model, data, split, proc, trainer)
-    log.info("%s: %s loss %.4f, %s accuracy %.4f", about, split, metrics[f"{split}/loss"], split,
-             metrics[f"{split}/acc"])  # fmt: skip
+    log.info(
+        "%s: %s loss %.4f, %s accuracy %.4f",
+        about,
+        split,
+        metrics[f"{split}/loss"],
+        split,
+        metrics[f"{split}/acc"],
+    )
     if logger:
         logger.log({**record, **metrics})
     return metrics
@@ -431,7 +515,7 @@ def test(
     data: MNISTData,
     proc: Process,
     logger: MetricsLogger | None,
-    trainer: DictConfig,
+    trainer: Trainer,
     fitted: Fitted,
     run_dir: Path,
 ) -> dict[str, Any]:
@@ -452,24 +536,9 @@ def test(
     return metrics
 
 
-def train_loss(
-    logits: torch.Tensor, labels: torch.Tensor, global_size: int, world_size: int
-) -> torch.Tensor:
-    """Cross-entropy scaled so that DDP's gradient equals the mean over the whole global batch.
-
-    Each rank sums its samples' losses and multiplies by world_size / global_size; DDP divides the
-    sum of the ranks' gradients by world_size, which leaves the gradient of the mean loss over the
-    global batch. With equal shares (always in one process) that is each rank's plain mean, one
-    operation fewer per step; the scaled sum keeps it exact when a last batch splits unevenly.
-    """
-    if len(labels) * world_size == global_size:
-        return F.cross_entropy(logits, labels)
-    return F.cross_entropy(logits, labels, reduction="sum") * (world_size / global_size)
-
-
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, data: MNISTData, split: str, proc: Process, trainer: DictConfig | None = None
+    model: nn.Module, data: MNISTData, split: str, proc: Process, trainer: Trainer | None = None
 ) -> dict[str, Any]:
     """Loss and accuracy over the whole `split` (val or test), each image counted once across
     ranks, with the precision and memory layout of `trainer` (if given)."""
@@ -477,12 +546,14 @@ def evaluate(
     # buffers, a collective that ranks with different numbers of batches would hang in.
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
-    layout = torch.channels_last if trainer and trainer.channels_last else torch.contiguous_format
-    precision = trainer.precision if trainer else "32"
+    # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
+    # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
+    proc.broadcast_tensors(model.buffers())
+    layout = trainer.memory_format if trainer else torch.contiguous_format
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for images, labels in data.eval_batches(split):
-        with autocast(proc.device, precision):
+        with autocast(proc.device, trainer):
             logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
         correct += (logits.argmax(dim=1) == labels).sum().item()

@@ -13,7 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src.errors import UserError
-from src.training import build_scheduler, check_config
+from src.settings import read_settings
+from src.training import build_scheduler
 
 CONF = REPO / "conf"
 GROUPS = {
@@ -29,7 +30,7 @@ def compose_config(*overrides: str):
 
 def test_every_group_has_its_options():
     assert GROUPS == {
-        "model": ["cnn", "mlp"],
+        "model": ["cnn", "cnn_bn", "mlp"],
         "data": ["fashion_mnist", "mnist"],
         "optimizer": ["adadelta", "adam", "adamw", "sgd"],
         "scheduler": ["cosine", "none", "onecycle", "step"],
@@ -164,6 +165,14 @@ def test_every_yaml_key_has_a_comment():
         ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max or min"),
         ("trainer.test_weights=first", "test_weights=first is not allowed: use best or last"),
         ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not allowed"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is not allowed: use null"),
+        ("parallel.sync_batchnorm=true", "parallel=none trains in one: use parallel=ddp"),
+        pytest.param(
+            "parallel=ddp parallel.sync_batchnorm=true",
+            "sync_batchnorm=true needs CUDA GPUs: PyTorch's SyncBatchNorm runs only there",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
         (
             "trainer.early_stopping_patience=3 data.val_size=0",
             "trainer.early_stopping_patience watches the validation split, and data.val_size=0",
@@ -175,9 +184,9 @@ def test_every_yaml_key_has_a_comment():
     ],
 )  # fmt: skip
 def test_values_training_cannot_use_are_refused(override, message):
-    check_config(compose_config())  # the defaults pass
+    read_settings(compose_config())  # the defaults pass
     with pytest.raises(UserError, match=message):
-        check_config(compose_config(*override.split()))
+        read_settings(compose_config(*override.split()))
 
 
 @pytest.mark.parametrize(
@@ -193,7 +202,7 @@ def test_values_training_cannot_use_are_refused(override, message):
     ],
 )
 def test_the_combinations_the_template_uses_pass(overrides):
-    check_config(compose_config(*overrides.split()))
+    read_settings(compose_config(*overrides.split()))
 
 
 @pytest.mark.parametrize(

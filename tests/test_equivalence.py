@@ -1,4 +1,5 @@
-"""`parallel=` changes only the speed: none, dp and ddp with 1 to 4 processes train the same run.
+"""`parallel=` changes only the speed: none, dp and ddp with 1 to 4 processes train the same run,
+and so does `trainer.accumulate_grad_batches`.
 
 Every mode trains the same config (SGD with momentum, a one-cycle schedule, 27 steps), and the
 per-step losses, the validations, the test and the final weights must agree to float32
@@ -50,6 +51,10 @@ MODES = {
     "ddp4": (["parallel=ddp"], 4),
     "ddp2-self-launched": (["parallel=ddp", "parallel.nproc_per_node=2"], None),
     "ddp4-self-launched": (["parallel=ddp", "parallel.nproc_per_node=4"], None),  # on 2 cores
+    # Gradient accumulation: the same global batches in micro-batches of 6 (the last batch's 8
+    # images in 2s), all-reduced once per step under DDP.
+    "none-accumulate4": (["trainer.accumulate_grad_batches=4"], None),
+    "ddp2-accumulate2": (["parallel=ddp", "trainer.accumulate_grad_batches=2"], 2),
 }
 # float32 sums taken in another order differ in the last bits. Measured on CPU over these 27 steps:
 # losses within 1.4e-7 relative, weights within 7.5e-8 (2.7e-7 of the largest weight). The bounds

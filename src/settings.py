@@ -1,0 +1,176 @@
+"""The run's settings, read once from the config into plain typed values and checked there.
+
+`read_settings(cfg)` turns the `trainer:`, `checkpoint:` and related keys into frozen
+dataclasses. Each checks its own values where it is built, so a value training cannot use stops
+the run before any work, with one sentence naming the key; below `src/run.py`, functions take
+these settings instead of the DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.errors import UserError
+
+PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
+MONITORS = ("val/acc", "val/loss")  # what each validation measures
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _refuse(key: str, value: Any, allowed: str) -> None:
+    if isinstance(value, bool):
+        value = str(value).lower()
+    raise UserError(f"{key}={value} is not allowed: use {allowed}.")
+
+
+def _at_least(key: str, value: int | None, low: int, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if value is None or value < low:
+        allowed = f"at least {low}" if low else "0 or more"
+        _refuse(key, value, f"null or {allowed}" if nullable else allowed)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """`trainer:` of the config (see conf/config.yaml for each key's meaning), and when the
+    scheduler steps."""
+
+    epochs: int = 1
+    max_steps: int | None = None
+    log_every_n_steps: int = 10
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    deterministic: bool = False
+    precision: str = "32"
+    channels_last: bool = False
+    profile: int | None = None
+    compile: bool | str = False
+    warmup_steps: int = 0
+    early_stopping_patience: int | None = None
+    test_weights: str = "best"
+    step_interval: bool = False  # scheduler.interval=step: the scheduler steps after every step
+
+    def __post_init__(self) -> None:
+        _at_least("trainer.epochs", self.epochs, 1)
+        _at_least("trainer.max_steps", self.max_steps, 1, nullable=True)
+        _at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
+        _at_least("trainer.accumulate_grad_batches", self.accumulate_grad_batches, 1)
+        if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
+            _refuse(
+                "trainer.gradient_clip_val",
+                self.gradient_clip_val,
+                "null (no clipping) or a norm above 0, e.g. 1.0",
+            )
+        if self.precision not in PRECISIONS:
+            _refuse("trainer.precision", self.precision, "32, bf16 or 16")
+        if self.compile not in (True, False, *COMPILE_MODES):
+            _refuse(
+                "trainer.compile",
+                self.compile,
+                f"true, false or a mode: {', '.join(COMPILE_MODES)}",
+            )
+        _at_least("trainer.profile", self.profile, 1, nullable=True)
+        _at_least("trainer.warmup_steps", self.warmup_steps, 0)
+        _at_least("trainer.early_stopping_patience", self.early_stopping_patience, 1, nullable=True)
+        if self.test_weights not in ("best", "last"):
+            _refuse("trainer.test_weights", self.test_weights, "best or last")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Mixed precision's dtype (bf16, 16); None for float32."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """`checkpoint:` of the config: what to save, when, and what picks the best epoch."""
+
+    save: bool = True
+    every_n_steps: int | None = None
+    monitor: str = "val/acc"
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.every_n_steps", self.every_n_steps, 1, nullable=True)
+        if self.monitor not in MONITORS:
+            _refuse("checkpoint.monitor", self.monitor, " or ".join(MONITORS))
+        if self.mode not in ("max", "min"):
+            _refuse("checkpoint.mode", self.mode, "max or min")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything below `src/run.py` reads of the config, checked as a whole."""
+
+    trainer: Trainer
+    checkpoint: Checkpointing
+    train: bool = True
+    validates: bool = True  # data.val_size > 0: a validation split is held out
+
+    def __post_init__(self) -> None:
+        selects = self.train and self.validates
+        if self.trainer.early_stopping_patience is not None and not selects:
+            raise UserError(
+                "trainer.early_stopping_patience watches the validation split, and "
+                "data.val_size=0 holds none out: set data.val_size (e.g. 5000) or "
+                "trainer.early_stopping_patience=null."
+            )
+        if selects and self.trainer.test_weights == "best" and not self.checkpoint.save:
+            raise UserError(
+                "trainer.test_weights=best tests the weights of best.pt, which "
+                "checkpoint.save=false does not write: set trainer.test_weights=last, or "
+                "checkpoint.save=true."
+            )
+
+
+def _section(cls: type, values: dict[str, Any], **extra: Any) -> Any:
+    """`cls` built from the keys of `values` it has (a key the YAML lacks keeps its default)."""
+    return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values}, **extra)
+
+
+def read_settings(cfg: DictConfig) -> Settings:
+    """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
+    _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
+    val_size = cfg.data.get("val_size", 0)
+    if val_size is None or val_size < 0:
+        _refuse("data.val_size", val_size, "0 (none) or more")
+    interval = cfg.scheduler.get("interval")
+    if interval not in ("epoch", "step"):
+        _refuse("scheduler.interval", interval, "epoch or step")
+    if cfg.parallel.get("sync_batchnorm", False) and cfg.parallel.mode != "ddp":
+        raise UserError(
+            "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
+            f"and parallel={cfg.parallel.mode} trains in one: use parallel=ddp, or leave it false."
+        )
+    if cfg.parallel.get("sync_batchnorm", False) and (
+        str(cfg.device).startswith(("cpu", "mps")) or not torch.cuda.is_available()
+    ):
+        raise UserError(
+            "parallel.sync_batchnorm=true needs CUDA GPUs: PyTorch's SyncBatchNorm runs only "
+            "there. Leave it false on CPUs (each rank then normalises by its own share's "
+            "statistics)."
+        )
+    if not cfg.train and cfg.ckpt_path is None:
+        raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
+    if cfg.train and cfg.ckpt_path is not None:
+        raise UserError(
+            "ckpt_path is the checkpoint to evaluate with train=false. To continue training from "
+            "it use resume=PATH; to start from its weights, init_from=PATH."
+        )
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer["precision"] = str(trainer["precision"])  # 32 and 16 come from YAML as numbers
+    return Settings(
+        trainer=_section(Trainer, trainer, step_interval=interval == "step"),
+        checkpoint=_section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True)),
+        train=cfg.train,
+        validates=val_size > 0,
+    )
