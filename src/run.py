@@ -47,6 +47,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     set_deterministic(trainer.deterministic)
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
+        if cfg.train:  # each rank's share of a batch splits into the micro-batches asked for
+            check_accumulation(trainer, cfg.data.batch_size, proc.world_size)
         run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
         config = OmegaConf.to_container(
@@ -66,9 +68,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
 
             model = build_model(cfg, trainer, proc, weights)
             if cfg.train:
-                check_accumulation(trainer, data.batch_size, proc.world_size)
                 state = resumed and resumed[1]
-                parts = build_parts(cfg, model, data.steps_per_epoch, proc, state)
+                parts = build_parts(cfg, trainer, model, data.steps_per_epoch, proc, state)
                 saver = Checkpointer(
                     settings.checkpoint,
                     run_dir,
@@ -115,6 +116,7 @@ def build_model(
 
 def build_parts(
     cfg: DictConfig,
+    trainer: Trainer,
     model: nn.Module,
     steps_per_epoch: int,
     proc: distributed.Process,
@@ -122,13 +124,12 @@ def build_parts(
 ) -> Parts:
     """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
     the checkpoint `state` training resumes."""
-    trainer = cfg.trainer
     optimizer = instantiate(cfg.optimizer, model.parameters())
     total_steps = steps_per_epoch * trainer.epochs
     total_steps = min(total_steps, trainer.max_steps or total_steps)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
-    scaler = torch.amp.GradScaler(proc.device.type, enabled=str(trainer.precision) == "16")
+    scaler = torch.amp.GradScaler(proc.device.type, enabled=trainer.precision == "16")
     parts = Parts(model, optimizer, scheduler, scaler)
     if not (state and checkpoint.restore(state, parts, proc)):
         seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream

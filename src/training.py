@@ -92,7 +92,7 @@ def check_accumulation(trainer: Trainer, batch_size: int, world_size: int) -> No
     """Each process splits its share of a global batch into `accumulate_grad_batches` parts:
     refuse a split that leaves one empty. (A smaller last batch is split into fewer parts.)"""
     share, parts = batch_size // world_size, trainer.accumulate_grad_batches
-    if parts > share:
+    if 0 < share < parts and batch_size % world_size == 0:  # else data.setup tells what is wrong
         raise UserError(
             f"trainer.accumulate_grad_batches={parts} splits each process's share of a batch "
             f"({share} images: data.batch_size={batch_size} over {world_size} processes) into "
