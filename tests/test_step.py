@@ -12,7 +12,7 @@ from conftest import ok, read_metrics, run_dirs, train
 from hydra.utils import instantiate
 from torch import nn
 
-from src.checkpoint import Checkpointer, Parts, Progress
+from src.checkpoint import Checkpointer, Parts, Progress, restore, rng_state
 from src.data import MNISTData
 from src.distributed import Process
 from src.errors import UserError
@@ -219,3 +219,18 @@ def test_sync_batchnorm_trains_on_gpus(tmp_path, tiny_data):
     result = ok(train(overrides, tmp_path, nproc=2))
     (run_dir,) = run_dirs(tmp_path)
     assert read_metrics(run_dir)[1], result.stdout
+
+
+def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
+    """A run saved at precision 32 or bf16 holds "scaler": {}; resumed with precision=16, the
+    enabled scaler starts from its initial scale instead of refusing the empty state."""
+    saved, resumed = parts(), parts("16")
+    state = {
+        "optimizer": saved.optimizer.state_dict(),
+        "scheduler": saved.scheduler.state_dict(),
+        "scaler": saved.scaler.state_dict(),
+        "rng": [rng_state()],
+    }
+    assert state["scaler"] == {}
+    assert restore(state, resumed, Process())
+    assert resumed.scaler.get_scale() == 2.0**16
