@@ -313,7 +313,7 @@ def load_best(model: nn.Module, run_dir: Path, proc: Process) -> None:
     path, model, error = run_dir / "checkpoints" / "best.pt", unwrap(model), None
     if proc.is_main:
         try:
-            load_model(model, path, _checked(path, proc.device, weights_only=True))
+            load_model(model, path, _checked(path, weights_only=True))
         except UserError as err:
             error = str(err)
     errors = [e for e in proc.all_gather_object(error) if e]
@@ -333,14 +333,18 @@ def find_weights(cfg: DictConfig, proc: Process) -> tuple[Path, dict] | None:
 
 
 def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any]:
-    """A checkpoint of this template, read by every rank onto its own device.
+    """A checkpoint of this template, read by every rank into CPU memory.
+
+    Loading copies the weights onto the model's device, and the optimizer places its state by
+    PyTorch's own rule (Adam's `step` counters stay on the CPU, where reading them costs no device
+    sync); a `map_location` of the GPU would keep them there.
 
     With `weights_only`, a bare `state_dict` (from anyone's `torch.save(model.state_dict())`)
     is accepted too, as {"model": state_dict}. Unreadable files stop every rank with one sentence.
     """
     error, state = None, None
     try:
-        state = _checked(path, proc.device, weights_only)
+        state = _checked(path, weights_only)
     except UserError as err:
         error = str(err)
     errors = [e for e in proc.all_gather_object(error) if e]
@@ -349,9 +353,9 @@ def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any
     return state
 
 
-def _checked(path: Path, device: torch.device, weights_only: bool) -> dict[str, Any]:
-    """The checkpoint at `path`, read onto `device`; a UserError if it is not one of ours."""
-    state = _read(path, device)
+def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
+    """The checkpoint at `path`, read into CPU memory; a UserError if it is not one of ours."""
+    state = _read(path)
     if weights_only and _is_state_dict(state):
         state = {"model": state}
     needed = ("model",) if weights_only else TRAINING_KEYS
@@ -365,13 +369,13 @@ def _checked(path: Path, device: torch.device, weights_only: bool) -> dict[str, 
     return state
 
 
-def _read(path: Path, device: torch.device) -> Any:
+def _read(path: Path) -> Any:
     if not path.is_file():
         raise UserError(
             f"{path}: no such checkpoint file. Check the path (relative to {Path.cwd()})."
         )
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if not unsafe:
