@@ -300,18 +300,40 @@ def _single_process(cfg: DictConfig) -> Process:
     count = torch.cuda.device_count()
     ids = list(cfg.parallel.device_ids or range(count))
     output = ids[0] if cfg.parallel.output_device is None else cfg.parallel.output_device
+    check_data_parallel(ids, output, count, cfg.trainer.compile, str(cfg.trainer.precision))
+    return Process(mode="dp", device=torch.device("cuda", output), device_ids=tuple(ids))
+
+
+def check_data_parallel(
+    ids: list[int], output: int, count: int, compile: bool | str, precision: str
+) -> None:
+    """Refuse what nn.DataParallel over `ids` (of `count` visible GPUs) gets wrong in this torch:
+    replicas of a torch.compile'd model overwrite the original (its wrapper passes attribute
+    writes through), its worker threads autocast to float16 whatever dtype was asked, and
+    outputs gathered away from `ids[0]` meet the model and its optimizer state there."""
     absent = [i for i in [*ids, output] if not 0 <= i < count]
     if absent:
         raise UserError(
             f"parallel.device_ids={ids} / parallel.output_device={output} name GPUs {absent} that "
             f"do not exist: {count} are visible, 0 to {count - 1}. Pick ids among them."
         )
-    if len(ids) == 1 and output != ids[0]:
+    if output != ids[0]:
         raise UserError(
-            f"parallel.output_device={output} is not the one GPU of parallel.device_ids={ids}, "
-            "and DataParallel on one GPU gathers nothing. Leave parallel.output_device=null."
+            f"parallel.output_device={output} is not the first of parallel.device_ids={ids}, "
+            "where DataParallel keeps the model: leave parallel.output_device=null."
         )
-    return Process(mode="dp", device=torch.device("cuda", output), device_ids=tuple(ids))
+    if len(ids) > 1 and compile:
+        raise UserError(
+            f"parallel=dp over {len(ids)} GPUs cannot run a torch.compile'd model (DataParallel's "
+            "replicas overwrite it). Use parallel=ddp with trainer.compile, or "
+            "trainer.compile=false."
+        )
+    if len(ids) > 1 and precision != "32":
+        raise UserError(
+            f"parallel=dp over {len(ids)} GPUs autocasts to float16 in its threads, whatever "
+            f"trainer.precision={precision} asks (and without float16's loss scaling). Use "
+            "parallel=ddp for mixed precision, or trainer.precision=32."
+        )
 
 
 def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:

@@ -2,11 +2,15 @@
 there (its own internals, a 'meta' device standing in for a GPU); each test fails without its fix.
 """
 
+import threading
+
+import pytest
 import torch
 from torch import nn
 
 from src import checkpoint
-from src.distributed import Process
+from src.distributed import Process, check_data_parallel
+from src.errors import UserError
 
 
 def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
@@ -25,3 +29,46 @@ def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
     fresh = torch.optim.Adam(model.parameters())
     fresh.load_state_dict(state["optimizer"])
     assert fresh.state[model.weight]["step"].device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("ids", "output", "compile", "precision", "message"),
+    [
+        ([0, 1], 1, False, "32", "output_device=1 is not the first of parallel.device_ids"),
+        ([0, 1], 0, True, "32", "cannot run a torch.compile'd model"),
+        ([0, 1], 0, "reduce-overhead", "32", "cannot run a torch.compile'd model"),
+        ([0, 1], 0, False, "bf16", "autocasts to float16 in its threads"),
+        ([0, 1], 0, False, "16", "autocasts to float16 in its threads"),
+        ([0, 7], 0, False, "32", "name GPUs \\[7\\] that do not exist: 4 are visible"),
+    ],
+)
+def test_data_parallel_refuses_what_it_gets_wrong(ids, output, compile, precision, message):
+    with pytest.raises(UserError, match=message):
+        check_data_parallel(ids, output, 4, compile, precision)
+
+
+@pytest.mark.parametrize("ids", [[0], [2, 3]])
+def test_data_parallel_takes_what_it_gets_right(ids):
+    check_data_parallel(ids, ids[0], 4, False, "32")
+    if len(ids) == 1:  # one GPU: DataParallel calls the model itself, no replicas, no threads
+        check_data_parallel(ids, ids[0], 4, True, "bf16")
+
+
+def test_why_dp_refuses_compile_a_replica_of_a_compiled_model_overwrites_it():
+    """What DataParallel does on every forward over 2+ GPUs, done here on the CPU."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = torch.compile(model)
+    compiled._replicate_for_data_parallel()
+    assert len(list(model.parameters())) == 0  # the replica's empty parameters replaced them
+
+
+def test_why_dp_refuses_mixed_precision_the_autocast_dtype_is_per_thread():
+    """DataParallel's worker threads enter autocast without a dtype: each thread's default."""
+    seen = []
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=False):
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        thread = threading.Thread(target=lambda: seen.append(torch.get_autocast_dtype("cuda")))
+        thread.start()
+        thread.join()
+        assert torch.get_autocast_dtype("cuda") == torch.bfloat16
+    assert seen == [torch.float16]
