@@ -39,6 +39,9 @@ if __name__ == "__main__":
     root = str(Path(__file__).resolve().parent)
     os.environ.setdefault("PROJECT_ROOT", root)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    # cuBLAS reads this at its first call only, so a deterministic job after another in the same
+    # process (a sweep) needs it set now; it costs about 24 MiB of GPU memory, no speed.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     sys.argv = distributed.hydra_argv(sys.argv)
     main()  # on failure, Hydra exits non-zero from inside
     if distributed.under_torchrun():

@@ -51,6 +51,8 @@ def main() -> None:
     )
     rank, world = 0, 1
     if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # else every rank's NCCL and kernels start on GPU 0
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -62,9 +64,11 @@ def main() -> None:
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(memory_format=layout)
     if args.compile:
-        model = torch.compile(model, mode=args.compile)
+        # Static shapes: CUDA graphs record one graph per batch shape, in the warm-up.
+        model = torch.compile(model, mode=args.compile, dynamic=False)
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     # The template's first epoch: seed 1 + epoch 1, as DistributedSampler draws it.
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(2))
@@ -88,8 +92,11 @@ def main() -> None:
         optimizer.step()
 
     model.train()
-    for first in [*starts[: args.warmup_steps], starts[-1]] if args.warmup_steps else []:
-        step(first)  # the first batches and the last, often smaller, one: each batch shape
+    # The first batches and the last, often smaller, one: each batch shape at least twice, as CUDA
+    # graph trees run a new graph once before they record it.
+    warm = [*starts[: max(args.warmup_steps, 2)], starts[-1], starts[-1]]
+    for first in warm if args.warmup_steps else []:
+        step(first)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()

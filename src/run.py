@@ -25,10 +25,10 @@ from src.training import (
     Fitted,
     build_scheduler,
     check_accumulation,
+    configure_kernels,
     evaluate_and_log,
     fit,
     seed_everything,
-    set_deterministic,
     speed_up,
     test,
 )
@@ -44,7 +44,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     """
     settings = read_settings(cfg)  # the config's values, checked before any work
     trainer = settings.trainer
-    set_deterministic(trainer.deterministic)
+    configure_kernels(trainer)
     proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
     try:
         if cfg.train:  # each rank's share of a batch splits into the micro-batches asked for

@@ -46,6 +46,7 @@ class Trainer:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     deterministic: bool = False
+    matmul_precision: str = "highest"
     precision: str = "32"
     channels_last: bool = False
     profile: int | None = None
@@ -66,6 +67,8 @@ class Trainer:
                 self.gradient_clip_val,
                 "null (no clipping) or a norm above 0, e.g. 1.0",
             )
+        if self.matmul_precision not in ("highest", "high"):
+            _refuse("trainer.matmul_precision", self.matmul_precision, "highest or high")
         if self.precision not in PRECISIONS:
             _refuse("trainer.precision", self.precision, "32, bf16 or 16")
         if self.compile not in (True, False, *COMPILE_MODES):

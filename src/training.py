@@ -47,18 +47,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def set_deterministic(on: bool) -> None:
-    """Deterministic kernels only (an error where none exists), on CPU and CUDA; or the defaults.
+def configure_kernels(trainer: Trainer) -> None:
+    """The kernels `trainer` asks for: deterministic ones only (an error where none exists), or
+    cuDNN's autotuned fastest; full float32 matmuls, or TF32 (`matmul_precision=high`).
 
-    Set for every job, so one job of a sweep does not leave it on for the next.
+    Set for every job, so one job of a sweep does not leave its choice on for the next.
     """
-    if on:
-        # cuBLAS needs a fixed workspace to be deterministic; it reads this before its first call.
+    if trainer.deterministic:
+        # cuBLAS reads this once, at its first call: train.py also sets it at process start.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Only when it changes: the call imports torch._inductor (1.4 s here) even to switch it off.
-    if torch.are_deterministic_algorithms_enabled() != on:
-        torch.use_deterministic_algorithms(on)
-    torch.backends.cudnn.benchmark = False
+    if torch.are_deterministic_algorithms_enabled() != trainer.deterministic:
+        torch.use_deterministic_algorithms(trainer.deterministic)
+    torch.backends.cudnn.benchmark = not trainer.deterministic  # autotuned per input shape
+    torch.set_float32_matmul_precision(trainer.matmul_precision)
 
 
 def speed_up(model: nn.Module, trainer: Trainer) -> nn.Module:
@@ -66,7 +68,12 @@ def speed_up(model: nn.Module, trainer: Trainer) -> nn.Module:
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if trainer.compile:
-        model = torch.compile(model, mode=None if trainer.compile is True else trainer.compile)
+        mode = None if trainer.compile is True else trainer.compile
+        # CUDA graphs record one graph per batch shape: static shapes, each compiled in the
+        # warm-up, rather than a dynamic-shape recompile inside the first timed epoch.
+        model = torch.compile(
+            model, mode=mode, dynamic=False if mode == "reduce-overhead" else None
+        )
     return model
 
 
@@ -409,21 +416,25 @@ def warm_up(
     logger: MetricsLogger | None,
     step: int,
 ) -> None:
-    """`trainer.warmup_steps=N`: train N steps on the first batches of an epoch and one on its last
-    (often smaller) batch, evaluate once, then undo it all: the weights, the optimizer, the scaler
-    and the random generators are put back as they were, so training goes on exactly as without
-    it. What stays is what is slow the first time: torch.compile's compilation (once per batch
-    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Logs its seconds.
+    """`trainer.warmup_steps=N`: train N steps (at least 2) on the first batches of an epoch and
+    two on its last (often smaller) batch, evaluate once, then undo it all: the weights, the
+    optimizer, the scaler and the random generators are put back as they were, so training goes
+    on exactly as without it. What stays is what is slow the first time: torch.compile's
+    compilation (once per batch shape), cuDNN's autotuning, CUDA graph capture (on a shape's
+    second run), the allocator's pools. Logs its seconds.
     """
     started = time.perf_counter()
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     saved = copy.deepcopy((unwrap(model).state_dict(), optimizer.state_dict(), scaler.state_dict()))
     generators = checkpoint.rng_state()
-    steps = min(trainer.warmup_steps, data.steps_per_epoch)
+    # Each batch shape at least twice: CUDA graph trees run a new graph once, then record it.
+    steps, last = min(max(trainer.warmup_steps, 2), data.steps_per_epoch), data.steps_per_epoch - 1
     model.train()
-    batches = islice(data.train_batches(1), steps)
-    if steps < data.steps_per_epoch:
-        batches = chain(batches, data.train_batches(1, skip=data.steps_per_epoch - 1))
+    batches = chain(
+        islice(data.train_batches(1), steps),
+        data.train_batches(1, skip=last),  # the last batch, often smaller: another shape
+        data.train_batches(1, skip=last),
+    )
     for images, labels, global_size in batches:
         train_step(parts, images, labels, global_size, proc, trainer)
     evaluate(model, data, "val" if len(data.val[1]) else "test", proc, trainer)  # thrown away

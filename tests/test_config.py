@@ -166,6 +166,7 @@ def test_every_yaml_key_has_a_comment():
         ("trainer.test_weights=first", "test_weights=first is not allowed: use best or last"),
         ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not allowed"),
+        ("trainer.matmul_precision=medium", "matmul_precision=medium is not allowed: use highest"),
         ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is not allowed: use null"),
         ("parallel.sync_batchnorm=true", "parallel=none trains in one: use parallel=ddp"),
         pytest.param(

@@ -6,11 +6,16 @@ import threading
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from test_config import compose_config
 from torch import nn
 
 from src import checkpoint
+from src.checkpoint import Parts
 from src.distributed import Process, check_data_parallel
 from src.errors import UserError
+from src.settings import Trainer
+from src.training import configure_kernels, warm_up
 
 
 def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
@@ -72,3 +77,43 @@ def test_why_dp_refuses_mixed_precision_the_autocast_dtype_is_per_thread():
         thread.join()
         assert torch.get_autocast_dtype("cuda") == torch.bfloat16
     assert seen == [torch.float16]
+
+
+def test_kernels_autotune_unless_deterministic_and_matmuls_follow_the_setting():
+    try:
+        configure_kernels(Trainer(matmul_precision="high"))
+        assert torch.backends.cudnn.benchmark  # the warm-up's autotuning happens
+        assert torch.get_float32_matmul_precision() == "high"
+        configure_kernels(Trainer(deterministic=True))
+        assert not torch.backends.cudnn.benchmark
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        configure_kernels(Trainer())
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+class Sizes(nn.Module):
+    """The MLP, noting the batch size of every training forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.seen = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), []
+
+    def forward(self, x):
+        if self.training:
+            self.seen.append(len(x))
+        return self.inner(x)
+
+
+def test_warm_up_runs_each_batch_shape_twice(tiny_data):
+    """CUDA graph trees run a new graph once and record it the second time: the warm-up runs the
+    full batches and the last, smaller one twice each, so recording happens before the clock."""
+    data = instantiate(compose_config(f"data.root={tiny_data}", "data.val_size=50").data)
+    data.setup(Process())
+    model = Sizes()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    warm_up(parts, data, Process(), Trainer(warmup_steps=1), None, 0)
+    assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
