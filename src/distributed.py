@@ -226,13 +226,18 @@ def _attempt_store(rank: int, timeout: timedelta) -> dist.Store:
 
     torchrun keeps one store for all restarts of a worker group, and the keys an earlier attempt
     left there (each rank's gloo address) make a restarted group connect to dead processes
-    (torch 2.14, pytorch/pytorch#135712). Each rank counts its attempts in the store, so the
-    ranks of one attempt agree on its number without talking to each other.
+    (torch 2.14, pytorch/pytorch#135712). With one torchrun agent, the attempt is its restart
+    count, the same for every rank (a rank killed before it counted anything cannot fall behind).
+    Across machines each agent counts its own restarts (one also restarts, uncounted, when another
+    machine's workers fail), so there each rank counts its attempts in the store.
     """
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-    attempt = store.add(f"train.py/attempts/rank{rank}", 1)
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # one agent, one machine
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    else:
+        attempt = store.add(f"train.py/attempts/rank{rank}", 1)
     return dist.PrefixStore(f"train.py/attempt{attempt}", store)
 
 

@@ -303,6 +303,24 @@ def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folde
 
 
 @pytest.mark.slow
+def test_a_restart_meets_although_a_rank_died_before_it_joined(tmp_path, tiny_data):
+    """Rank 1 of the first attempt dies while rank 0 waits for it in the rendezvous: the ranks of
+    the restarted group have lived through different numbers of attempts, and still agree on
+    which one this is (counted per rank, they met under different prefixes until the timeout)."""
+    overrides = [f"data.root={tiny_data}", *RUN, "parallel=ddp", "trainer.max_steps=2",
+                 "parallel.timeout=30"]  # fmt: skip
+    rank_1_dies_first = '[ "$RANK$TORCHELASTIC_RESTART_COUNT" = 10 ] && sleep 6 && exit 3'
+    command = torchrun_through_shell(
+        rank_1_dies_first, overrides, tmp_path / "outputs", "--max-restarts=1"
+    )
+    result = subprocess.run(
+        command, cwd=tmp_path, env=offline_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, printed(result)[-3000:]
+    assert "Test on" in printed(result)
+
+
+@pytest.mark.slow
 def test_checkpoints_load_into_every_parallel_mode(tmp_path, tiny_data):
     """Saved under none, dp and ddp; each evaluated under none, dp and ddp: the same accuracy.
     (Without GPUs, dp trains on one device after a warning; the checkpoint path is the same.)"""
