@@ -162,13 +162,8 @@ def setup(cfg: DictConfig) -> Process:
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"parallel=ddp trains on CUDA GPUs or CPUs, not {device}. Use device=auto.")
     if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"torchrun started more processes on this machine than the "
-                f"{torch.cuda.device_count()} GPUs it sees (local rank {local_rank}). "
-                f"Use --nproc_per_node={torch.cuda.device_count()} or fewer."
-            )
-        device = torch.device("cuda", local_rank)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = torch.device("cuda", rank_gpu(local_rank, torch.cuda.device_count(), visible))
         torch.cuda.set_device(device)
     backend = cfg.parallel.backend
     if backend == "auto":
@@ -285,6 +280,12 @@ def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
         raise UserError(
             f"device={requested}, but no CUDA GPU is visible. Use device=auto or device=cpu."
         )
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise UserError(
+            f"device={requested}, but this machine shows {count} GPU(s), cuda:0 to "
+            f"cuda:{count - 1}. Pick one of them, or device=auto."
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(
             f"device={requested}, but MPS is not available. Use device=auto or device=cpu."
@@ -292,9 +293,31 @@ def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
     return device
 
 
+def rank_gpu(local_rank: int, count: int, visible: str | None) -> int:
+    """The GPU of the DDP rank `local_rank` among the `count` this process sees: its own index,
+    or the one GPU a cluster shows each rank (CUDA_VISIBLE_DEVICES naming a single GPU)."""
+    if local_rank < count:
+        return local_rank
+    if count == 1 and visible is not None and "," not in visible:
+        return 0
+    raise UserError(
+        f"torchrun started more processes on this machine than the {count} GPUs it sees "
+        f"(local rank {local_rank}). Use --nproc_per_node={count} or fewer."
+    )
+
+
+def seed_dp_replicas(proc: Process, seed: int) -> None:
+    """Under parallel=dp each GPU's replica draws its own dropout masks, as DDP's ranks do; the
+    first GPU keeps `seed`, as one process on it would (torch.manual_seed seeds every GPU alike)."""
+    for i, index in enumerate(proc.device_ids[1:], start=1):
+        torch.cuda.default_generators[index].manual_seed(seed + i)
+
+
 def _single_process(cfg: DictConfig) -> Process:
     """parallel=none: one device. parallel=dp: the GPUs to split over, data on the output one."""
     device = pick_device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # else the CUDA context and pinned-memory thread use GPU 0
     if cfg.parallel.mode != "dp":
         return Process(mode="none", device=device)
     if device.type != "cuda":

@@ -133,4 +133,5 @@ def build_parts(
     parts = Parts(model, optimizer, scheduler, scaler)
     if not (state and checkpoint.restore(state, parts, proc)):
         seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
+        distributed.seed_dp_replicas(proc, cfg.seed)  # and under dp, each GPU's replica
     return parts

@@ -12,7 +12,7 @@ from torch import nn
 
 from src import checkpoint
 from src.checkpoint import Parts
-from src.distributed import Process, check_data_parallel
+from src.distributed import Process, check_data_parallel, rank_gpu
 from src.errors import UserError
 from src.settings import Trainer
 from src.training import configure_kernels, warm_up
@@ -117,3 +117,12 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
     warm_up(parts, data, Process(), Trainer(warmup_steps=1), None, 0)
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
+
+
+def test_each_ddp_rank_finds_its_gpu():
+    assert [rank_gpu(r, 4, None) for r in range(4)] == [0, 1, 2, 3]
+    assert rank_gpu(3, 1, "3") == 0  # a cluster showing each rank its own GPU
+    with pytest.raises(UserError, match="more processes on this machine than the 2 GPUs"):
+        rank_gpu(2, 2, None)
+    with pytest.raises(UserError, match="Use --nproc_per_node=1 or fewer"):
+        rank_gpu(1, 1, None)  # two ranks on one visible GPU

@@ -1,0 +1,109 @@
+"""The GPU tier: what only CUDA shows. Every test here is skipped, with its reason, on a machine
+without a GPU (CI's); on one, run `pytest tests/test_gpu.py -n 0`. The tests marked for two GPUs
+wait for a machine with two or more.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import ok, read_metrics, read_test, run_dirs, train
+from torch import nn
+
+from src import checkpoint, distributed
+from src.checkpoint import Parts, restore
+from src.distributed import Process
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+SHORT = ["logger=none", "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
+
+
+def single_run(tmp_path):
+    (run_dir,) = run_dirs(tmp_path)
+    return run_dir
+
+
+def test_the_fast_recipe_trains_and_warms_up(tmp_path, tiny_data):
+    """bf16, channels-last, torch.compile with CUDA graphs and the warm-up, on the tiny data."""
+    overrides = [f"data.root={tiny_data}", "experiment=fashion_cnn_fast", "logger=none",
+                 "data.batch_size=64", "trainer.epochs=2"]  # fmt: skip
+    ok(train(overrides, tmp_path))
+    run_dir = single_run(tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text()
+    assert "time/warmup_s" in lines and "memory/peak_cuda_mb" in lines
+    assert read_test(run_dir)["test/correct"] > 0
+
+
+def test_float16_trains_with_its_scaler_and_resumes_a_float32_run(tmp_path, tiny_data):
+    common = [f"data.root={tiny_data}", "logger=none", "model=cnn", "optimizer=adam"]
+    ok(train([*common, "trainer.max_steps=4"], tmp_path / "32"))
+    last = single_run(tmp_path / "32") / "checkpoints" / "last.pt"
+    resumed = [*common, "trainer.max_steps=8", f"resume={last}", "trainer.precision=16"]
+    ok(train([*resumed, "trainer.log_every_n_steps=1"], tmp_path / "16"))
+    state = torch.load(single_run(tmp_path / "16") / "checkpoints" / "last.pt")
+    assert state["step"] == 8 and state["scaler"]["scale"] > 0
+    assert all(math.isfinite(m["train/loss"]) for m in read_metrics(single_run(tmp_path / "16"))[0])
+
+
+def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
+    model = nn.Linear(8, 2).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(4, 8, device="cuda")).sum().backward()
+    optimizer.step()
+    path = tmp_path / "adam.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    state = checkpoint.load(path, Process(device=torch.device("cuda")), weights_only=True)
+    fresh = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda _: 1.0)
+    state |= {"scheduler": scheduler.state_dict(), "rng": [checkpoint.rng_state()]}
+    restore(state, Parts(model, fresh, scheduler, torch.amp.GradScaler("cuda")), Process())
+    assert fresh.state[model.weight]["step"].device.type == "cpu"
+    assert fresh.state[model.weight]["exp_avg"].device.type == "cuda"
+
+
+def test_a_gpu_that_does_not_exist_is_named(tmp_path, tiny_data):
+    count = torch.cuda.device_count()
+    result = train([f"data.root={tiny_data}", *SHORT, f"device=cuda:{count}"], tmp_path)
+    assert result.returncode != 0
+    assert f"this machine shows {count} GPU(s)" in result.stderr
+
+
+def test_one_process_on_a_named_gpu_and_dataparallel_on_one(tmp_path, tiny_data):
+    last = torch.cuda.device_count() - 1
+    ok(train([f"data.root={tiny_data}", *SHORT, f"device=cuda:{last}"], tmp_path / "named"))
+    dp = ["parallel=dp", f"parallel.device_ids=[{last}]", "model=cnn"]
+    ok(train([f"data.root={tiny_data}", *SHORT, *dp], tmp_path / "dp"))
+
+
+def test_a_deterministic_job_after_another_in_one_sweep_process(tmp_path, tiny_data):
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG once: train.py sets it before the first job."""
+    sweep = ["-m", f"data.root={tiny_data}", *SHORT, "trainer.deterministic=false,true"]
+    ok(train(sweep, tmp_path))
+
+
+@two_gpus
+def test_ddp_over_two_gpus_with_nccl_trains_what_one_process_trains(tmp_path, tiny_data):
+    overrides = [f"data.root={tiny_data}", *SHORT, "data.batch_size=24"]
+    ok(train(overrides, tmp_path / "none"))
+    result = ok(train([*overrides, "parallel=ddp"], tmp_path / "ddp", nproc=2))
+    assert "backend nccl" in result.stdout + result.stderr
+    steps = [read_metrics(single_run(tmp_path / mode))[0] for mode in ("ddp", "none")]
+    for ours, ref in zip(*steps, strict=True):
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4)
+
+
+@two_gpus
+def test_dataparallel_over_two_gpus_refuses_compile(tmp_path, tiny_data):
+    result = train([f"data.root={tiny_data}", *SHORT, "parallel=dp", "trainer.compile=true"],
+                   tmp_path)  # fmt: skip
+    assert result.returncode != 0
+    assert "cannot run a torch.compile'd model" in result.stderr
+
+
+@two_gpus
+def test_dataparallel_replicas_draw_their_own_dropout_masks():
+    torch.manual_seed(1)
+    distributed.seed_dp_replicas(Process(mode="dp", device_ids=(0, 1)), 1)
+    masks = [torch.rand(8, device=f"cuda:{i}").cpu() for i in (0, 1)]
+    assert not torch.equal(*masks)
