@@ -157,13 +157,13 @@ class Checkpointer:
             run_dir / "checkpoints" / "last.pt",
             run_dir / "checkpoints" / "best.pt",
         )
-        self.saved_step: int | None = None  # the step of the last.pt this run wrote last
+        self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
 
     def save(self, progress: Progress) -> None:
         """`last.pt`, as training stands now."""
         if self.policy.save:
             save(self.last, self.proc, self.parts, progress, self.config, self.wandb_id)
-            self.saved_step = progress.step
+            self.kept = (self.last, progress.step)
 
     def due(self, progress: Progress, epoch_steps: int) -> bool:
         """Whether `last.pt` is due after this step: every `every_n_steps` steps within an epoch
@@ -186,7 +186,7 @@ class Checkpointer:
             # resumed run redoes this epoch and writes the same best.pt again.
             save(self.best, self.proc, self.parts, progress, self.config, self.wandb_id)
             copy(self.best, self.last, self.proc)
-            self.saved_step = progress.step
+            self.kept = (self.last, progress.step)
 
 
 def rng_state() -> dict[str, Any]:

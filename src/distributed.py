@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.errors import UserError
+from src.settings import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def _restart_anchor() -> Path | None:
     return error_file.parents[2] / "run_dir"
 
 
-def setup(cfg: DictConfig) -> Process:
+def setup(cfg: DictConfig, trainer: Trainer) -> Process:
     """Pick the device for `cfg.parallel.mode`; under ddp, join the process group."""
     mode = cfg.parallel.mode
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -147,7 +148,7 @@ def setup(cfg: DictConfig) -> Process:
                 f"torchrun started {world_size} processes, but parallel={mode} trains in one. "
                 f"Add parallel=ddp, or run python train.py parallel={mode} without torchrun."
             )
-        return _single_process(cfg)
+        return _single_process(cfg, trainer)
 
     present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     needed = TORCHRUN_VARIABLES if cfg.parallel.init_method == "env://" else TORCHRUN_VARIABLES[:3]
@@ -313,7 +314,7 @@ def seed_dp_replicas(proc: Process, seed: int) -> None:
         torch.cuda.default_generators[index].manual_seed(seed + i)
 
 
-def _single_process(cfg: DictConfig) -> Process:
+def _single_process(cfg: DictConfig, trainer: Trainer) -> Process:
     """parallel=none: one device. parallel=dp: the GPUs to split over, data on the output one."""
     device = pick_device(cfg.device)
     if device.type == "cuda" and device.index is not None:
@@ -328,7 +329,7 @@ def _single_process(cfg: DictConfig) -> Process:
     count = torch.cuda.device_count()
     ids = list(cfg.parallel.device_ids or range(count))
     output = ids[0] if cfg.parallel.output_device is None else cfg.parallel.output_device
-    check_data_parallel(ids, output, count, cfg.trainer.compile, str(cfg.trainer.precision))
+    check_data_parallel(ids, output, count, trainer.compile, trainer.precision)
     return Process(mode="dp", device=torch.device("cuda", output), device_ids=tuple(ids))
 
 

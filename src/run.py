@@ -45,7 +45,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     settings = read_settings(cfg)  # the config's values, checked before any work
     trainer = settings.trainer
     configure_kernels(trainer)
-    proc = distributed.setup(cfg)  # one process, or one rank of a DDP group
+    proc = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
     try:
         if cfg.train:  # each rank's share of a batch splits into the micro-batches asked for
             check_accumulation(trainer, cfg.data.batch_size, proc.world_size)
@@ -78,6 +78,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                     config,
                     logger.run_id if logger else None,
                 )
+                if resumed:  # intact until this run writes its own
+                    saver.kept = (resumed[0], state["step"])
                 fitted = fit(parts, data, proc, settings, saver, logger, run_dir, state)
                 result = fitted.best and fitted.best.value
             else:  # train=false: the checkpoint's weights, on the validation split too

@@ -35,6 +35,26 @@ def _at_least(key: str, value: int | None, low: int, nullable: bool = False) -> 
         _refuse(key, value, f"null or {allowed}" if nullable else allowed)
 
 
+# What each annotation of the settings accepts, and how to say it; bool is no number here.
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "a whole number"),
+    "int | None": ((int, type(None)), "null or a whole number"),
+    "float | None": ((int, float, type(None)), "null or a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "bool | str": ((bool, str), "true, false or a string"),
+}
+
+
+def _check_types(settings: Any, section: str) -> None:
+    """Refuse a value of the wrong type (a string for a number, true for a count) by its key."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        kinds, said = _TYPES[str(f.type)]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            _refuse(f"{section}.{f.name}", value, said)
+
+
 @dataclass(frozen=True)
 class Trainer:
     """`trainer:` of the config (see conf/config.yaml for each key's meaning), and when the
@@ -57,6 +77,7 @@ class Trainer:
     step_interval: bool = False  # scheduler.interval=step: the scheduler steps after every step
 
     def __post_init__(self) -> None:
+        _check_types(self, "trainer")
         _at_least("trainer.epochs", self.epochs, 1)
         _at_least("trainer.max_steps", self.max_steps, 1, nullable=True)
         _at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
@@ -103,6 +124,7 @@ class Checkpointing:
     mode: str = "max"
 
     def __post_init__(self) -> None:
+        _check_types(self, "checkpoint")
         _at_least("checkpoint.every_n_steps", self.every_n_steps, 1, nullable=True)
         if self.monitor not in MONITORS:
             _refuse("checkpoint.monitor", self.monitor, " or ".join(MONITORS))
@@ -153,6 +175,12 @@ def read_settings(cfg: DictConfig) -> Settings:
         raise UserError(
             "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
             f"and parallel={cfg.parallel.mode} trains in one: use parallel=ddp, or leave it false."
+        )
+    if cfg.parallel.get("static_graph") and cfg.trainer.get("accumulate_grad_batches", 1) > 1:
+        raise UserError(
+            "parallel.static_graph=true cannot skip the all-reduce of accumulated micro-batches "
+            "(DDP's no_sync asserts, pytorch/pytorch#143580): use parallel.static_graph=false with "
+            "trainer.accumulate_grad_batches."
         )
     if cfg.parallel.get("sync_batchnorm", False) and (
         str(cfg.device).startswith(("cpu", "mps")) or not torch.cuda.is_available()

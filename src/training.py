@@ -166,14 +166,14 @@ def fit(
     progress = Progress.start(
         checkpointer.policy, settings.validates, resumed, data.steps_per_epoch
     )
-    if finished(progress, trainer):
-        log.info("Nothing left to train: the checkpoint is at the end of this run.")
+    if why := why_finished(progress, trainer):
+        log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
     if trainer.warmup_steps:
         warm_up(parts, data, proc, trainer, logger, progress.step)
     with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
         watch = Watch(proc, trainer, logger, signals, checkpointer)
-        while not finished(progress, trainer):
+        while not (why := why_finished(progress, trainer)):
             speed = train_epoch(parts, data, proc, trainer, progress, watch, profile)
             watch.check(progress, parts.model)  # nothing non-finite is validated or saved
             if settings.validates:
@@ -186,26 +186,21 @@ def fit(
                 stop_now(proc, checkpointer, progress.step)
             if progress.epoch_step == data.steps_per_epoch:
                 progress.epoch, progress.epoch_step = progress.epoch + 1, 0
+    log.info("Training ended: %s.", why)
     return Fitted(progress.ended_in, progress.step, progress.best)
 
 
-def finished(progress: Progress, trainer: Trainer) -> bool:
-    """Whether training is over: all epochs done, `max_steps` reached or stopped early."""
+def why_finished(progress: Progress, trainer: Trainer) -> str:
+    """Why training is over (all epochs done, `max_steps` reached, stopped early), or "" if not."""
     if progress.step == trainer.max_steps:
-        log.info("Stopped after trainer.max_steps=%d optimizer steps", progress.step)
-        return True
+        return f"trainer.max_steps={progress.step} optimizer steps done"
     best, patience = progress.best, trainer.early_stopping_patience
     if best is not None and patience is not None and best.stale >= patience:
-        log.info(
-            "Early stopping: %s has not improved for %d validations; the best, %.4f, was at "
-            "epoch %d.",
-            best.monitor,
-            best.stale,
-            best.value,
-            best.epoch,
+        return (
+            f"early stopping: {best.monitor} has not improved for {best.stale} validations; the "
+            f"best, {best.value:.4f}, was at epoch {best.epoch}"
         )
-        return True
-    return progress.epoch > trainer.epochs
+    return f"{trainer.epochs} epoch(s) done" if progress.epoch > trainer.epochs else ""
 
 
 def train_epoch(
@@ -220,6 +215,8 @@ def train_epoch(
     """One pass over the training batches (what is left of it, after a resume), or up to
     `max_steps` or a stop signal; returns its speed."""
     parts.model.train()
+    if proc.device.type == "cuda":  # this epoch's training peak, not an earlier evaluation's
+        torch.cuda.reset_peak_memory_stats(proc.device)
     started, images_seen = time.perf_counter(), 0
     bar = tqdm(
         initial=progress.epoch_step,
@@ -269,7 +266,8 @@ def train_step(
     """
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     optimizer.zero_grad(set_to_none=True)
-    micro = max(1, min(trainer.accumulate_grad_batches, len(labels)))
+    # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
+    micro = max(1, min(trainer.accumulate_grad_batches, global_size // proc.world_size))
     pieces = list(zip(images.tensor_split(micro), labels.tensor_split(micro), strict=True))
     total = None
     for i, (x, y) in enumerate(pieces):
@@ -357,7 +355,11 @@ class Watch:
         steps, losses = zip(*self.losses, strict=True) if self.losses else ((), ())
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         first_bad = steps[bad[0].item()] if len(bad) else None
-        broken = weights is not None and not all(p.isfinite().all() for p in weights.parameters())
+        broken = weights is not None and not all(
+            t.isfinite().all()
+            for t in unwrap(weights).state_dict().values()
+            if t.is_floating_point()
+        )  # the parameters, and buffers such as BatchNorm's running statistics
         last = losses[-1].item() if losses else 0.0
         loss_sum, stop, bad_losses, bad_weights = self.proc.sum_over_ranks(
             [last, bool(self.signals.received), first_bad is not None, broken]
@@ -383,15 +385,15 @@ class Watch:
 
 def non_finite(what: str, watch: Watch) -> NonFiniteLoss:
     """The one sentence a NaN or an infinity stops the run with."""
-    checkpointer, saved = watch.checkpointer, watch.checkpointer.saved_step
-    kept = "no checkpoint was written before it"
-    if saved is not None:
-        kept = f"{checkpointer.last} holds step {saved}, before it"
-    tries = ["a lower optimizer.lr", "trainer.gradient_clip_val=1.0"]
+    kept = watch.checkpointer.kept
+    intact = f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
+    clip = watch.trainer.gradient_clip_val
+    tries = ["a lower optimizer.lr"]
+    tries.append("trainer.gradient_clip_val=1.0" if clip is None else "a lower gradient_clip_val")
     if watch.trainer.precision != "32":
         tries.append("trainer.precision=32")
     return NonFiniteLoss(
-        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({kept}). "
+        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact}). "
         f"Try {', '.join(tries[:-1])} or {tries[-1]}."
     )
 

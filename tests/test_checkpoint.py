@@ -122,7 +122,7 @@ def test_early_stopping_and_its_counter_survive_a_resume(tmp_path, tiny_data):
     common = [f"data.root={tiny_data}", *RUN, *EARLY_STOPPING]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     result = ok(train([*common, f"hydra.run.dir={whole}"], tmp_path))
-    assert "Early stopping: val/acc has not improved for 2 validations" in printed(result)
+    assert "early stopping: val/acc has not improved for 2 validations" in printed(result)
     assert last(whole)["epoch"] == 7 and last(whole)["best"]["epoch"] == 5
     assert read_test(whole)["test/weights_epoch"] == 5
     assert load(whole / "checkpoints" / "best.pt")["step"] == 5 * 25

@@ -167,6 +167,12 @@ def test_every_yaml_key_has_a_comment():
         ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not allowed"),
         ("trainer.matmul_precision=medium", "matmul_precision=medium is not allowed: use highest"),
+        ("trainer.gradient_clip_val=true", "gradient_clip_val=true is not allowed: use null or a"),
+        ("trainer.accumulate_grad_batches=2.5", "accumulate_grad_batches=2.5 is not allowed: use"),
+        (
+            "parallel=ddp parallel.static_graph=true trainer.accumulate_grad_batches=2",
+            "static_graph=true cannot skip the all-reduce of accumulated micro-batches",
+        ),
         ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is not allowed: use null"),
         ("parallel.sync_batchnorm=true", "parallel=none trains in one: use parallel=ddp"),
         pytest.param(

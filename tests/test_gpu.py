@@ -107,3 +107,18 @@ def test_dataparallel_replicas_draw_their_own_dropout_masks():
     distributed.seed_dp_replicas(Process(mode="dp", device_ids=(0, 1)), 1)
     masks = [torch.rand(8, device=f"cuda:{i}").cpu() for i in (0, 1)]
     assert not torch.equal(*masks)
+
+
+def test_sync_batchnorm_converts_and_its_checkpoint_evaluates_alike(tmp_path, tiny_data):
+    """One DDP rank on the GPU with parallel.sync_batchnorm=true: the model trains as
+    nn.SyncBatchNorm, and its last.pt (plain BatchNorm keys) counts under parallel=none what the
+    run counted."""
+    overrides = [f"data.root={tiny_data}", *SHORT, "model=cnn_bn", "parallel=ddp",
+                 "parallel.sync_batchnorm=true", "trainer.test_weights=last"]  # fmt: skip
+    ok(train(overrides, tmp_path / "ddp", nproc=1))
+    last = single_run(tmp_path / "ddp") / "checkpoints" / "last.pt"
+    evaluated = [f"data.root={tiny_data}", "logger=none", "model=cnn_bn", "train=false",
+                 f"ckpt_path={last}"]  # fmt: skip
+    ok(train(evaluated, tmp_path / "none"))
+    ran, alone = (read_test(single_run(tmp_path / m)) for m in ("ddp", "none"))
+    assert ran["test/correct"] == alone["test/correct"]
