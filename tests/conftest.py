@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+README = (REPO / "README.md").read_text()
 # The training files hold 250 images: 50 held out for validation (data.val_size, as train() sets
 # it) and 200 to train on, 3 global batches of 64 and a partial one of 8.
 TRAIN_SIZE, VAL_SIZE, TEST_SIZE = 200, 50, 100
@@ -149,3 +152,54 @@ def read_test(run_dir: Path) -> dict:
     evaluations = read_metrics(run_dir)[1]
     assert [m for m in evaluations if "test/acc" in m] == evaluations[-1:], "one test, at the end"
     return evaluations[-1]
+
+
+def assert_identical(ours, reference, where: str = "") -> None:
+    """Two nested structures of tensors and plain values (a checkpoint, a state_dict) are the same
+    to the bit: every tensor by torch.equal (dtype and shape too), everything else by ==."""
+    import torch
+
+    if isinstance(reference, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.dtype == reference.dtype, where
+        assert torch.equal(ours, reference), where
+    elif isinstance(reference, dict):
+        assert list(ours) == list(reference), where
+        for key in reference:
+            assert_identical(ours[key], reference[key], f"{where}/{key}")
+    elif isinstance(reference, (list, tuple)):
+        assert type(ours) is type(reference) and len(ours) == len(reference), where
+        for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+            assert_identical(a, b, f"{where}[{i}]")
+    else:
+        assert ours == reference, where
+
+
+def compose_config(*overrides: str):
+    """The run's config with `overrides`, composed by Hydra's compose API as train.py does."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def readme_commands() -> list[str]:
+    """Each command in the README's bash blocks, comments dropped, `a && b` split in two."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.splitlines():
+            line = line.split(" #")[0].strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    return commands
+
+
+def wandb_summary(run_dir: Path) -> dict:
+    """What the offline wandb run recorded, read back with wandb's own reader."""
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    result = subprocess.run(
+        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(result.stdout)

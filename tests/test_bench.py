@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, offline_env
-from test_readme import readme_commands
+from conftest import REPO, offline_env, readme_commands
 
 
 @pytest.mark.slow

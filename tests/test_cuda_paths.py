@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
+from conftest import compose_config
 from hydra.utils import instantiate
-from test_config import compose_config
 from torch import nn
 
 from src import checkpoint

@@ -1,6 +1,6 @@
 """The GPU tier: what only CUDA shows. Every test here is skipped, with its reason, on a machine
-without a GPU (CI's); on one, run `pytest tests/test_gpu.py -n 0`. The tests marked for two GPUs
-wait for a machine with two or more.
+without a GPU (CI's); on one, `pytest -m gpu -n 0` runs them (and the GPU tests of other files).
+The tests marked for two GPUs wait for a machine with two or more.
 """
 
 import math
@@ -14,7 +14,10 @@ from src import checkpoint, distributed
 from src.checkpoint import Parts, restore
 from src.distributed import Process
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 SHORT = ["logger=none", "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
 

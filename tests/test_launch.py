@@ -22,9 +22,9 @@ from conftest import (
     run_dirs,
     torchrun_through_shell,
     train,
+    wandb_summary,
 )
 from hydra import compose, initialize_config_dir
-from test_train import wandb_summary
 
 
 def processes_in(folder: Path) -> list[int]:

@@ -4,29 +4,25 @@ The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run, the b
 tests/test_bench.py.
 """
 
-import re
 import shlex
 import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, defaults_for_tests, offline_env, ok, read_metrics, run
+from conftest import (
+    REPO,
+    defaults_for_tests,
+    offline_env,
+    ok,
+    read_metrics,
+    readme_commands,
+    run,
+)
 from hydra import compose, initialize_config_dir
 
-README = (REPO / "README.md").read_text()
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py")
-
-
-def readme_commands() -> list[str]:
-    """Each command in the README's bash blocks, comments dropped, `a && b` split in two."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
-        for line in block.splitlines():
-            line = line.split(" #")[0].strip()
-            commands += [part.strip() for part in line.split("&&") if part.strip()]
-    return commands
 
 
 def test_readme_commands_are_all_known():
@@ -82,7 +78,7 @@ def test_readme_command_runs(command, tmp_path, tiny_data):
     run_readme_command(command, tmp_path, tiny_data)
 
 
-@pytest.mark.slow  # as tests/test_equivalence.py does by default
+@pytest.mark.slow  # as tests/test_equivalence.py's two-machine test
 def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_data):
     """The command each machine runs, started twice on this one, with HEAD_NODE = 127.0.0.1."""
     (command,) = MACHINES
@@ -123,7 +119,7 @@ def test_readme_slurm_command_composes():
     assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 4
 
 
-@pytest.mark.slow  # tests/test_checkpoint.py covers each by default
+@pytest.mark.slow  # tests/test_checkpoint.py tests what these commands do, one by one
 def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
     assert len(SEQUENCE) == 5
     for command in SEQUENCE:

@@ -207,6 +207,7 @@ def test_a_batchnorm_model_under_ddp_counts_what_its_checkpoint_counts(tmp_path,
         assert math.isclose(logged[f"{split}/loss"], single[f"{split}/loss"], rel_tol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on 2+ CUDA GPUs")
 def test_sync_batchnorm_trains_on_gpus(tmp_path, tiny_data):
     overrides = [

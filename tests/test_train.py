@@ -3,14 +3,12 @@
 import csv
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import (
     REPO,
-    defaults_for_tests,
+    assert_identical,
     offline_env,
     ok,
     read_metrics,
@@ -19,6 +17,7 @@ from conftest import (
     run_dirs,
     torchrun_through_shell,
     train,
+    wandb_summary,
 )
 
 SMOKE = ["logger=none", "trainer.epochs=2", "trainer.log_every_n_steps=1"]
@@ -167,19 +166,6 @@ def test_wrong_launch_says_what_to_do(tmp_path, tiny_data, overrides, nproc, mes
         assert "Traceback" not in result.stderr
 
 
-def wandb_summary(run_dir):
-    """What the offline wandb run recorded, read back with wandb's own reader."""
-    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
-    result = subprocess.run(
-        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_run)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(result.stdout)
-
-
 def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp_path, tiny_data):
     """Rank 1 starts 2 s after rank 0, so `${now:...}` differs between them: still one folder."""
     env = offline_env(HOME=str(tmp_path / "home"))  # no netrc nor WANDB_API_KEY: offline
@@ -254,35 +240,6 @@ def test_sweep_summary_ranks_jobs_by_the_monitor_never_by_the_test(tmp_path, mod
     assert [job["job"] for job in _write(tmp_path)] == order
     with (tmp_path / "summary.csv").open() as file:
         assert [int(row["job"]) for row in csv.DictReader(file)] == order
-
-
-def test_legacy_launcher_local_rank_argument(tmp_path, tiny_data):
-    """torch.distributed.launch appends --local-rank=N, which Hydra alone would reject."""
-    overrides = [
-        f"data.root={tiny_data}",
-        "logger=none",
-        "parallel=ddp",
-        "trainer.max_steps=2",
-        f"paths.log_dir={tmp_path / 'outputs'}",
-        *defaults_for_tests([]),
-    ]
-    result = ok(
-        run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.launch",
-                "--nproc_per_node=2",
-                str(REPO / "train.py"),
-                *overrides,
-            ],
-            cwd=tmp_path,
-        )
-    )
-    assert (result.stdout + result.stderr).count(
-        "torch.distributed.launch is deprecated; launch with torchrun"
-    ) == 1
-    assert read_metrics(single_run(tmp_path))[1]
 
 
 @pytest.mark.slow
@@ -383,8 +340,8 @@ def test_warm_up_steps_are_undone(tmp_path, tiny_data):
     (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides)
     assert [m["step"] for m in warm if "time/warmup_s" in m] == [0]
     assert without_timings(warm) == without_timings(plain)
-    for key in ("model", "optimizer", "rng"):
-        assert str(saved_warm[key]) == str(saved_plain[key]), key
+    for key in ("model", "optimizer", "scheduler", "rng"):
+        assert_identical(saved_warm[key], saved_plain[key], key)
 
 
 @pytest.mark.slow
@@ -393,7 +350,8 @@ def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data):
                  "trainer.compile=true"]  # fmt: skip
     (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides, nproc=2)
     assert without_timings(warm) == without_timings(plain)
-    assert str(saved_warm["model"]) == str(saved_plain["model"])
+    for key in ("model", "optimizer", "rng"):
+        assert_identical(saved_warm[key], saved_plain[key], key)
 
 
 @pytest.mark.slow
