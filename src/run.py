@@ -51,9 +51,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             check_accumulation(trainer, cfg.data.batch_size, proc.world_size)
         run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
-        config = OmegaConf.to_container(
-            cfg, resolve=True
-        )  # as this run uses it, with each checkpoint
+        # The config as this run uses it, interpolations resolved; saved with each checkpoint.
+        config = OmegaConf.to_container(cfg, resolve=True)
         if proc.is_main:
             text = OmegaConf.to_yaml(config)
             log.info("Config:\n%s", text)

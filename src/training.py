@@ -15,6 +15,7 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, islice
 from pathlib import Path
@@ -355,11 +356,7 @@ class Watch:
         steps, losses = zip(*self.losses, strict=True) if self.losses else ((), ())
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         first_bad = steps[bad[0].item()] if len(bad) else None
-        broken = weights is not None and not all(
-            t.isfinite().all()
-            for t in unwrap(weights).state_dict().values()
-            if t.is_floating_point()
-        )  # the parameters, and buffers such as BatchNorm's running statistics
+        broken = weights is not None and not finite(unwrap(weights).state_dict().values())
         last = losses[-1].item() if losses else 0.0
         loss_sum, stop, bad_losses, bad_weights = self.proc.sum_over_ranks(
             [last, bool(self.signals.received), first_bad is not None, broken]
@@ -381,6 +378,13 @@ class Watch:
         """`checkpoint.every_n_steps`: `last.pt` within an epoch (its end saves anyway)."""
         if self.checkpointer.due(progress, epoch_steps):
             self.save(progress)
+
+
+def finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor (parameters, and buffers such as BatchNorm's running
+    statistics) is free of NaN and infinity; one device sync for them all, not one each."""
+    checks = [t.isfinite().all() for t in tensors if t.is_floating_point()]
+    return not checks or bool(torch.stack(checks).all())
 
 
 def non_finite(what: str, watch: Watch) -> NonFiniteLoss:

@@ -139,6 +139,13 @@ def run_dirs(tmp_path: Path) -> list[Path]:
     return sorted(p.parent for p in (tmp_path / "outputs").rglob(".hydra"))
 
 
+def single_run(tmp_path: Path) -> Path:
+    """The one run folder Hydra made under tmp_path/outputs."""
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl split into training lines and evaluation lines: a validation after each
     epoch, then the one test."""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import ok, read_metrics, read_test, run_dirs, train
+from conftest import ok, read_metrics, read_test, single_run, train
 from torch import nn
 
 from src import checkpoint, distributed
@@ -20,11 +20,6 @@ pytestmark = [
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 SHORT = ["logger=none", "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
-
-
-def single_run(tmp_path):
-    (run_dir,) = run_dirs(tmp_path)
-    return run_dir
 
 
 def test_the_fast_recipe_trains_and_warms_up(tmp_path, tiny_data):

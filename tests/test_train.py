@@ -14,19 +14,13 @@ from conftest import (
     read_metrics,
     read_test,
     run,
-    run_dirs,
+    single_run,
     torchrun_through_shell,
     train,
     wandb_summary,
 )
 
 SMOKE = ["logger=none", "trainer.epochs=2", "trainer.log_every_n_steps=1"]
-
-
-def single_run(tmp_path):
-    dirs = run_dirs(tmp_path)
-    assert len(dirs) == 1, dirs
-    return dirs[0]
 
 
 def test_parallel_none_trains_and_writes_metrics(tmp_path, tiny_data):
