@@ -10,11 +10,9 @@ It also holds `best`: which evaluation was best by `checkpoint.monitor`, the one
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import random
 import re
-import shutil
 import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -27,6 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from src import storage
 from src.distributed import Process, unwrap
 from src.errors import UserError
 from src.settings import Checkpointing
@@ -162,7 +161,7 @@ class Checkpointer:
     def save(self, progress: Progress) -> None:
         """`last.pt`, as training stands now."""
         if self.policy.save:
-            save(self.last, self.proc, self.parts, progress, self.config, self.wandb_id)
+            self._save(self.last, progress)
             self.kept = (self.last, progress.step)
 
     def due(self, progress: Progress, epoch_steps: int) -> bool:
@@ -184,9 +183,26 @@ class Checkpointer:
         elif self.policy.save:
             # best.pt first: a kill between the two writes leaves last.pt behind it, and the
             # resumed run redoes this epoch and writes the same best.pt again.
-            save(self.best, self.proc, self.parts, progress, self.config, self.wandb_id)
-            copy(self.best, self.last, self.proc)
+            self._save(self.best, progress)
+            self._save(self.last, progress, copy_of=self.best)
             self.kept = (self.last, progress.step)
+
+    def stopped(self, fault: storage.Fault, step: int | None) -> storage.StorageFull:
+        """What stops the run when the storage refused a write: with the checkpoint still intact."""
+        return storage.stopped(fault, self.run_dir, step, self.kept)
+
+    def _save(self, path: Path, progress: Progress, copy_of: Path | None = None) -> None:
+        """Write `path` (a copy of the checkpoint `copy_of`, if given); stop every rank, with what
+        is intact, if the storage refuses it."""
+        if copy_of:
+            fault = self.proc.is_main and storage.attempt(
+                lambda: storage.copy_atomically(copy_of, path)
+            )
+            fault = storage.agree(self.proc, fault or None)
+        else:
+            fault = save(path, self.proc, self.parts, progress, self.config, self.wandb_id)
+        if fault:
+            raise self.stopped(fault, progress.step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -221,15 +237,16 @@ def save(
     progress: Progress,
     config: dict[str, Any],
     wandb_id: str | None,
-) -> None:
-    """Write a checkpoint to `path` from the main process, atomically; every rank waits for it.
+) -> storage.Fault | None:
+    """Write a checkpoint to `path` from the main process, atomically; every rank waits for it,
+    and returns the storage's refusal if there was one (a full disk), on every rank.
 
     `parts` are the model (its plain `state_dict` is saved), the optimizer, the scheduler and the
     gradient scaler. Each rank's random state is kept (dropout differs per rank), gathered to the
     main process. The file is written beside its final name and renamed over it, so a kill
-    during the write leaves the previous checkpoint whole.
+    during the write, or a refused one, leaves the previous checkpoint whole.
     """
-    rng = proc.all_gather_object(rng_state())
+    rng, fault = proc.all_gather_object(rng_state()), None
     if proc.is_main:
         state = {
             "model": unwrap(parts.model).state_dict(),
@@ -245,19 +262,14 @@ def save(
             "wandb_id": wandb_id,
             "metrics": progress.metrics,
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        torch.save(state, partial)
-        os.replace(partial, path)
-    proc.barrier()
+        fault = storage.attempt(lambda: _write(path, state), path)
+    return storage.agree(proc, fault)
 
 
-def copy(source: Path, target: Path, proc: Process) -> None:
-    """Copy a checkpoint file from the main process, atomically (e.g. last.pt to best.pt)."""
-    if proc.is_main:
-        partial = target.with_name(f".{target.name}.partial")
-        shutil.copyfile(source, partial)
-        os.replace(partial, target)
+def _write(path: Path, state: dict[str, Any]) -> None:
+    # Not parents=True: a run folder deleted during the run is reported, not made anew.
+    path.parent.mkdir(exist_ok=True)
+    storage.write_atomically(path, lambda file: torch.save(state, file))
 
 
 def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, dict] | None:
@@ -278,33 +290,36 @@ def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, di
     if cfg.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", cfg.init_from)
     state = load(path, proc)
-    state["best"] = _best_pt_beside(path, run_dir, state.get("best"), proc)
+    state["best"] = _best_pt_beside((path, state["step"]), run_dir, state.get("best"), proc)
     return path, state
 
 
 def _best_pt_beside(
-    resumed: Path, run_dir: Path, best: dict[str, Any] | None, proc: Process
+    resumed: tuple[Path, int], run_dir: Path, best: dict[str, Any] | None, proc: Process
 ) -> dict[str, Any] | None:
-    """The resumed checkpoint's record of its best epoch, with that epoch's best.pt in this run's
-    folder: copied from beside the resumed file when that lies elsewhere. Without a best.pt the
-    record is dropped, and the best so far starts afresh."""
+    """The record of its best epoch that the `resumed` checkpoint (path, step) holds, with that
+    epoch's best.pt in this run's folder: copied from beside the resumed file when that lies
+    elsewhere. Without a best.pt the record is dropped, and the best so far starts afresh."""
     if not best or best["epoch"] is None:
         return best
-    target, found = run_dir / "checkpoints" / "best.pt", None
+    target, found, fault = run_dir / "checkpoints" / "best.pt", None, None
     if proc.is_main:
-        source = resumed.parent / "best.pt"
+        source = resumed[0].parent / "best.pt"
         if source.is_file() and source.resolve() != target.resolve():
             target.parent.mkdir(parents=True, exist_ok=True)
-            copy(source, target, proc)
+            fault = storage.attempt(lambda: storage.copy_atomically(source, target))
         found = target.is_file()
         if not found:
             log.warning(
                 "%s records its best epoch (%d), but no best.pt lies beside it: the best so far "
                 "starts afresh.",
-                resumed,
+                resumed[0],
                 best["epoch"],
             )
-    return best if proc.broadcast_object(found) else None
+    found, fault = proc.broadcast_object((found, fault))
+    if fault:
+        raise storage.stopped(fault, run_dir, None, resumed)
+    return best if found else None
 
 
 def load_best(model: nn.Module, run_dir: Path, proc: Process) -> None:

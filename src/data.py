@@ -18,7 +18,10 @@ from __future__ import annotations
 import gzip
 import logging
 import math
+import os
+import shutil
 import struct
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +30,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from src import storage
 from src.distributed import Process
 from src.errors import UserError
 
@@ -83,10 +87,45 @@ def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
 
 
 def download(root: Path, torchvision_class: str) -> None:
-    """Download the four files with torchvision into `root/<Class>/raw`."""
+    """Download the four files with torchvision into `root/<Class>/raw`: into a folder beside
+    it first, so that a download that fails (a full disk, a lost connection) leaves no partial
+    file for the next run to read."""
     import torchvision  # slow to import, and only needed here
 
-    getattr(torchvision.datasets, torchvision_class)(str(root), train=True, download=True)
+    staging = root / f".{torchvision_class}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        getattr(torchvision.datasets, torchvision_class)(str(staging), train=True, download=True)
+        target = root / torchvision_class / "raw"
+        target.mkdir(parents=True, exist_ok=True)
+        for file in (staging / torchvision_class / "raw").iterdir():
+            os.replace(file, target / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (made if missing), or None if they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as err:
+        return err.strerror or str(err)
+
+
+def download_failed(err: Exception, root: Path) -> str:
+    """Why a download failed, in a few words; a full disk stops the run with its own message."""
+    fault = isinstance(err, OSError) and storage.Fault.of(err)
+    if fault and fault.errno in storage.FULL:
+        reason, fix = storage.FULL[fault.errno]
+        raise UserError(
+            f"The download into {root} stopped: {reason} ({fault.strerror}). The partial "
+            f"download is removed. {fix} (the dataset takes about 70 MB there), or set data.root "
+            "to a folder with room."
+        ) from None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
+    return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
 
 
 class GlobalBatchSampler:
@@ -244,6 +283,12 @@ class MNISTData:
             return
         where = f"{self.root} or {self.root / self.torchvision_class / 'raw'}"
         reason = "data.download=false"
+        if self.download and (why := unwritable(self.root)):
+            raise UserError(
+                f"{self.torchvision_class} IDX files not found in {where}, and data.root="
+                f"{self.root} cannot be written to download them into ({why}). Set data.root to "
+                "a writable folder, or put the four files in it."
+            )
         if self.download:
             log.info(
                 "%s not found in %s: downloading it with torchvision", self.torchvision_class, where
@@ -251,10 +296,7 @@ class MNISTData:
             try:
                 download(self.root, self.torchvision_class)
             except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
-                lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [
-                    repr(err)
-                ]
-                reason = f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
+                reason = download_failed(err, self.root)
             if find_idx_folder(self.root, self.torchvision_class):
                 return
         raise UserError(

@@ -6,6 +6,7 @@ Only the main process logs. A tracker failure never stops training: one warning,
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import netrc
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from src import storage
 from src.distributed import Process
 
 log = logging.getLogger(__name__)
@@ -27,24 +29,39 @@ class MetricsLogger:
     """Appends one JSON object per `log` call to `metrics.jsonl` and hands it to the tracker.
 
     A resumed run's file starts with the `history` its checkpoint had seen, so that it reads
-    like the run's uninterrupted record.
+    like the run's uninterrupted record. A line the storage refuses (a full disk, the run folder
+    gone) is taken back whole and kept as `fault`, which training stops on at the next point
+    where the ranks meet; nothing more is written.
     """
 
     def __init__(
         self, run_dir: Path, tracker: Any | None = None, history: list[dict[str, Any]] = ()
     ):
-        self.path = run_dir / "metrics.jsonl"
-        partial = self.path.with_name(".metrics.jsonl.partial")
-        partial.write_text("".join(json.dumps(record) + "\n" for record in history))
-        os.replace(partial, self.path)
-        self.file = self.path.open("a")
-        self.tracker = tracker
+        self.path, self.tracker, self.file = run_dir / "metrics.jsonl", tracker, None
+        lines = "".join(json.dumps(record) + "\n" for record in history).encode()
+        self.fault = storage.attempt(
+            lambda: storage.write_atomically(self.path, lambda file: file.write(lines))
+        )
+        if not self.fault:
+            self.file = self.path.open("ab", buffering=0)  # each line reaches the file at once
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
+        if not self.fault:
+            line = json.dumps(metrics) + "\n"
+            self.fault = storage.attempt(lambda: self._append(line), self.path)
         if self.tracker is not None:
             self.tracker.log(metrics)
+
+    def _append(self, line: str) -> None:
+        if not self.path.exists():  # the run folder was moved or deleted: the line would be lost
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.path))
+        end, data = self.file.tell(), memoryview(line.encode())
+        try:
+            while data:  # an unbuffered write may take part of the line
+                data = data[self.file.write(data) :]
+        except OSError:
+            os.ftruncate(self.file.fileno(), end)  # no torn line: what was logged reads back whole
+            raise
 
     def log_images(self, paths: list[Path]) -> None:
         """Hand pictures of the run to the tracker (metrics.jsonl keeps no images)."""
@@ -62,7 +79,8 @@ class MetricsLogger:
         return getattr(self.tracker, "run_id", None)
 
     def close(self, failed: bool = False) -> None:
-        self.file.close()
+        if self.file:
+            self.file.close()
         if self.tracker is not None:
             self.tracker.finish(exit_code=1 if failed else 0)
 

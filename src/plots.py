@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from src import storage
 from src.data import MNISTData
 
 
@@ -43,7 +44,7 @@ def curves(records: list[dict[str, Any]], path: Path) -> Path:
     acc_axes.legend()
     acc_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     plt.close(figure)
     return path
 
@@ -70,6 +71,6 @@ def predictions(model: nn.Module, data: MNISTData, run_dir: Path, count: int = 3
         axes.axis("off")
     figure.tight_layout()
     path = run_dir / "predictions.png"
-    figure.savefig(path, dpi=100)
+    storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     plt.close(figure)
     return path

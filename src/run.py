@@ -17,9 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src import checkpoint, distributed, plots
+from src import checkpoint, distributed, plots, storage
 from src.checkpoint import Checkpointer, Parts
-from src.logger import open_logger
+from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
 from src.training import (
     Fitted,
@@ -51,15 +51,12 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             check_accumulation(trainer, cfg.data.batch_size, proc.world_size)
         run_dir = distributed.shared_run_dir(proc, run_dir)
         log.info("Run folder: %s", run_dir)
-        # The config as this run uses it, interpolations resolved; saved with each checkpoint.
-        config = OmegaConf.to_container(cfg, resolve=True)
-        if proc.is_main:
-            text = OmegaConf.to_yaml(config)
-            log.info("Config:\n%s", text)
-            (run_dir / "config_resolved.yaml").write_text(text)
         # (path, checkpoint): the one training continues from, else the one whose weights it
         # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
         resumed = checkpoint.find_resume(cfg, run_dir, proc)
+        # The config as this run uses it, interpolations resolved; saved with each checkpoint.
+        config = OmegaConf.to_container(cfg, resolve=True)
+        write_config(config, run_dir, proc, resumed and (resumed[0], resumed[1]["step"]))
         weights = resumed or checkpoint.find_weights(cfg, proc)
         with open_logger(cfg, run_dir, proc, resumed) as logger:  # finishes wandb on every exit
             data = instantiate(cfg.data)
@@ -91,14 +88,41 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                     )
                     result = val[settings.checkpoint.monitor]
             test(model, data, proc, logger, trainer, fitted, run_dir)  # once, at the end
-            if cfg.plots and proc.is_main:
-                pictures = plots.draw(run_dir, distributed.unwrap(model), data)
-                if logger:
-                    logger.log_images(pictures)
-        proc.barrier()  # no rank tears the process group down while another still uses it
+            unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
+            if cfg.plots and proc.is_main and not unwritten:
+                unwritten = storage.attempt(lambda: draw(run_dir, model, data, logger))
+            # Every rank stops together, and none tears the process group down while another
+            # still uses it.
+            if unwritten := storage.agree(proc, unwritten or None):
+                kept = saver.kept if cfg.train else None
+                raise storage.stopped(unwritten, run_dir, fitted.step, kept)
     finally:
         distributed.teardown()
     return result
+
+
+def write_config(
+    config: dict, run_dir: Path, proc: distributed.Process, kept: tuple[Path, int] | None
+) -> None:
+    """Log the resolved config and write it to `config_resolved.yaml` (the main process); every
+    rank stops if the storage refuses it."""
+    unwritten = None
+    if proc.is_main:
+        text = OmegaConf.to_yaml(config)
+        log.info("Config:\n%s", text)
+        path = run_dir / "config_resolved.yaml"
+        unwritten = storage.attempt(
+            lambda: storage.write_atomically(path, lambda file: file.write(text.encode()))
+        )
+    if unwritten := storage.agree(proc, unwritten):
+        raise storage.stopped(unwritten, run_dir, None, kept)
+
+
+def draw(run_dir: Path, model: nn.Module, data, logger: MetricsLogger | None) -> None:
+    """The run's pictures, into the run folder and to the tracker."""
+    pictures = plots.draw(run_dir, distributed.unwrap(model), data)
+    if logger:
+        logger.log_images(pictures)
 
 
 def build_model(

@@ -351,17 +351,21 @@ class Watch:
 
     def check(self, progress: Progress, weights: nn.Module | None = None) -> float:
         """Agree with the other ranks on the losses since the last check (and on the `weights`,
-        before they are saved or evaluated): stop every rank if one is not finite. Returns the
-        last step's loss, averaged over the ranks."""
+        before they are saved or evaluated): stop every rank if one is not finite, or if the
+        main process could not write metrics.jsonl. Returns the last step's loss, averaged over
+        the ranks."""
         steps, losses = zip(*self.losses, strict=True) if self.losses else ((), ())
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         first_bad = steps[bad[0].item()] if len(bad) else None
         broken = weights is not None and not finite(unwrap(weights).state_dict().values())
         last = losses[-1].item() if losses else 0.0
-        loss_sum, stop, bad_losses, bad_weights = self.proc.sum_over_ranks(
-            [last, bool(self.signals.received), first_bad is not None, broken]
+        unwritten = self.logger and self.logger.fault
+        loss_sum, stop, bad_losses, bad_weights, refused = self.proc.sum_over_ranks(
+            [last, bool(self.signals.received), first_bad is not None, broken, bool(unwritten)]
         )
         self.losses, self.stop = [], self.stop or bool(stop)
+        if refused:
+            raise self.checkpointer.stopped(self.proc.broadcast_object(unwritten), progress.step)
         if bad_losses:
             first = min(s for s in self.proc.all_gather_object(first_bad) if s is not None)
             raise non_finite(f"the training loss was not finite at step {first}", self)

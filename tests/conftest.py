@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,3 +213,74 @@ def wandb_summary(run_dir: Path) -> dict:
         check=True,
     )
     return json.loads(result.stdout)
+
+
+def printed(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def last(run_dir: Path) -> dict:
+    return load(run_dir / "checkpoints" / "last.pt")
+
+
+def assert_same_training(run_dir: Path, reference: Path) -> None:
+    """Same final weights, the same best.pt and record of it (early stopping's counter too), and
+    the same metrics.jsonl, the test included (to float32 noise: measured exactly equal)."""
+    import torch
+
+    for name in ("last.pt", "best.pt"):
+        got, want = (load(d / "checkpoints" / name) for d in (run_dir, reference))
+        assert (got["step"], got["best"]) == (want["step"], want["best"]), name
+        for key, tensor in want["model"].items():
+            torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=1e-6)
+    lines, expected = (
+        [
+            m
+            for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if "time/train_s" not in m
+        ]  # timings differ
+        for d in (run_dir, reference)
+    )
+    assert [m.keys() for m in lines] == [m.keys() for m in expected]
+    for a, b in zip(lines, expected, strict=True):
+        for key in b:
+            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-7), (key, a, b)
+
+
+def start(
+    overrides: list[str], cwd: Path, nproc: int | None = None, **popen: Any
+) -> subprocess.Popen:
+    """train.py (or torchrun) in the background, its output in cwd/log; `popen` are more of
+    Popen's arguments."""
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)],
+        cwd=cwd,
+        env=offline_env(),
+        stdout=(cwd / "log").open("w"),
+        stderr=subprocess.STDOUT,
+        **popen,
+    )
+
+
+def wait_for(condition, process: subprocess.Popen | None, timeout: float = 120) -> None:
+    """Poll until `condition()` holds, failing if `process` (when given) ends first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process is None or process.poll() is None, "the run ended before it held"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def metric_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0

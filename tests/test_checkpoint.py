@@ -3,8 +3,6 @@ SIGKILL of a torchrun worker), loading into every parallel mode, and bad files."
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import signal
@@ -17,51 +15,24 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    assert_same_training,
     defaults_for_tests,
+    last,
+    load,
+    metric_lines,
     offline_env,
     ok,
+    printed,
     read_metrics,
     read_test,
     run,
+    start,
     torchrun_through_shell,
     train,
+    wait_for,
 )
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
-
-
-def printed(result: subprocess.CompletedProcess) -> str:
-    return result.stdout + result.stderr
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=True)
-
-
-def last(run_dir: Path) -> dict:
-    return load(run_dir / "checkpoints" / "last.pt")
-
-
-def assert_same_training(run_dir: Path, reference: Path) -> None:
-    """Same final weights, the same best.pt and record of it (early stopping's counter too), and
-    the same metrics.jsonl, the test included (to float32 noise: measured exactly equal)."""
-    for name in ("last.pt", "best.pt"):
-        got, want = (load(d / "checkpoints" / name) for d in (run_dir, reference))
-        assert (got["step"], got["best"]) == (want["step"], want["best"]), name
-        for key, tensor in want["model"].items():
-            torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=1e-6)
-    lines, expected = (
-        [
-            m
-            for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-            if "time/train_s" not in m
-        ]  # timings differ
-        for d in (run_dir, reference)
-    )
-    assert [m.keys() for m in lines] == [m.keys() for m in expected]
-    for a, b in zip(lines, expected, strict=True):
-        for key in b:
-            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-7), (key, a, b)
 
 
 def test_checkpoint_holds_plain_values_and_unwrapped_weights(tmp_path, tiny_data):
@@ -150,34 +121,6 @@ def test_resuming_a_file_from_another_folder_brings_its_best_pt_along(tmp_path, 
     result = ok(train([*common, resume, f"hydra.run.dir={third}"], tmp_path))
     assert "but no best.pt lies beside it: the best so far starts afresh" in printed(result)
     assert last(third)["best"]["epoch"] == 7  # the first validation after the resume
-
-
-def start(overrides: list[str], cwd: Path, nproc: int | None = None) -> subprocess.Popen:
-    """train.py (or torchrun) in the background, its output in cwd/log."""
-    launcher = [sys.executable]
-    if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [*launcher, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)],
-        cwd=cwd,
-        env=offline_env(),
-        stdout=(cwd / "log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
-
-
-def wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, "the run ended before the condition held"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def metric_lines(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.mark.parametrize(

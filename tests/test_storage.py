@@ -1,0 +1,284 @@
+"""Storage faults, injected for real: a full disk (a small tmpfs), a file-size limit (setrlimit),
+a checkpoints folder made read-only and a run folder moved during the run, a data folder that
+cannot be written. Each stops the run with one message, leaves nothing partial, and the run then
+resumes to the uninterrupted run's result.
+
+The tests that mount a file system need root (or CAP_SYS_ADMIN), as CI has; elsewhere they are
+skipped with that reason, and the file-size-limit and moved-folder tests cover the same code.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import resource
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import (
+    assert_same_training,
+    compose_config,
+    ok,
+    printed,
+    start,
+    train,
+    wait_for,
+)
+from hydra.utils import instantiate
+
+from src import storage
+from src.distributed import Process
+from src.errors import UserError
+from src.logger import MetricsLogger
+
+RUN = ["logger=none", "trainer.log_every_n_steps=1"]
+# 25 steps an epoch, 20 epochs: time to act on the run while it trains.
+LONG = [*RUN, "data.batch_size=8", "trainer.epochs=20"]
+
+
+def mount(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["mount", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a 4 MB file system of its own, which the test may resize or make read-only."""
+    point = tmp_path / "disk"
+    point.mkdir()
+    if mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(point)).returncode:
+        pytest.skip("mounting a file system needs root (or CAP_SYS_ADMIN)")
+    yield point
+    subprocess.run(["umount", "-R", "-l", str(point)], check=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_data) -> Path:
+    """The LONG run, trained without a fault: what every interrupted run must end up equal to."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    ok(train([f"data.root={tiny_data}", *LONG, f"hydra.run.dir={folder / 'run'}"], folder))
+    return folder / "run"
+
+
+def partial_files(folder: Path) -> list[Path]:
+    return list(folder.rglob(".*.partial"))
+
+
+def stop_message(output: str) -> str:
+    """The one message the run stopped with."""
+    lines = [line for line in output.splitlines() if line.startswith("Stopped")]
+    assert len(lines) == 1, output
+    assert "Traceback" not in output, output
+    return lines[0]
+
+
+def running_in_group(group: int) -> list[int]:
+    """The processes of process group `group` still running (exited ones not yet reaped by
+    init, such as multiprocessing's resource tracker after its parent, do not count)."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _parent, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # gone meanwhile
+            continue
+        if int(pgrp) == group and state != "Z":
+            running.append(int(stat.parent.name))
+    return running
+
+
+@contextmanager
+def file_size_limit(size: int):
+    """Files of this process cannot grow past `size` bytes (writes then fail with EFBIG; Python
+    ignores the SIGXFSZ that comes with it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# In-process units: the atomic write, the metrics line, the messages.
+
+
+def test_a_refused_write_leaves_the_old_file_whole_and_nothing_partial(tmp_path):
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"old")
+    with file_size_limit(1000), pytest.raises(OSError) as refused:
+        storage.write_atomically(path, lambda file: file.write(b"x" * 5000))
+    assert (refused.value.errno, refused.value.filename) == (errno.EFBIG, str(path))
+    assert path.read_bytes() == b"old" and not partial_files(tmp_path)
+    assert storage.Fault.of(refused.value) == (str(path), errno.EFBIG, "File too large")
+
+
+def test_a_refused_metrics_line_is_taken_back_whole(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    logger.log({"step": 1, "train/loss": 1.5})
+    kept = (tmp_path / "metrics.jsonl").read_text()
+    with file_size_limit(len(kept) + 10):  # the next line gets 10 of its bytes in, then EFBIG
+        logger.log({"step": 2, "train/loss": 1.25, "lr": 0.01})
+    assert logger.fault == (str(tmp_path / "metrics.jsonl"), errno.EFBIG, "File too large")
+    logger.log({"step": 3, "train/loss": 1.0})  # nothing more is written
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == kept
+
+
+def test_metrics_of_a_moved_run_folder_are_a_fault_not_lost_lines(tmp_path):
+    (tmp_path / "run").mkdir()
+    logger = MetricsLogger(tmp_path / "run")
+    (tmp_path / "run").rename(tmp_path / "moved")
+    logger.log({"step": 1})
+    assert logger.fault and logger.fault.errno == errno.ENOENT
+    message = str(storage.stopped(logger.fault, tmp_path / "run", 7, None))
+    assert message == (
+        f"Stopped at step 7: the run folder {tmp_path / 'run'} was deleted or moved during the "
+        "run, so metrics.jsonl could not be written. If it was moved, run the same command with "
+        "hydra.run.dir=<its new place> to resume; if it was deleted, start again."
+    )
+    logger.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.ENOSPC, "the disk is full (E). Nothing partial is left, and checkpoints/last.pt "
+                       "from step 40 is intact. Free space on that disk, then run the same "
+                       "command with hydra.run.dir={run} to resume."),
+        (errno.EDQUOT, "the disk quota is used up (E). Nothing partial is left, and checkpoints/"
+                       "last.pt from step 40 is intact. Free space within your quota (or ask "
+                       "for more), then run the same command with hydra.run.dir={run} to resume."),
+        (errno.EFBIG, "the file-size limit is reached (E). Nothing partial is left, and "
+                      "checkpoints/last.pt from step 40 is intact. Raise the limit (ulimit -f "
+                      "unlimited), then run the same command with hydra.run.dir={run} to resume."),
+        (errno.EROFS, "the file system is read-only (E). Nothing partial is left, and "
+                      "checkpoints/last.pt from step 40 is intact. Make {run}/checkpoints "
+                      "writable, then run the same command with hydra.run.dir={run} to resume; "
+                      "or continue elsewhere: resume={run}/checkpoints/last.pt "
+                      "hydra.run.dir=<a writable folder>."),
+    ],
+)  # fmt: skip
+def test_each_refusal_says_what_is_intact_and_what_to_do(tmp_path, code, says):
+    last = tmp_path / "checkpoints" / "last.pt"
+    fault = storage.Fault(str(tmp_path / "checkpoints" / "best.pt"), code, "E")
+    message = str(storage.stopped(fault, tmp_path, 48, (last, 40)))
+    assert message == (
+        f"Stopped at step 48: {fault.path} could not be written: {says.format(run=tmp_path)}"
+    )
+
+
+def test_a_data_folder_that_cannot_be_written_is_named_with_what_to_set(small_disk):
+    assert mount("-o", "remount,ro", str(small_disk)).returncode == 0
+    data = instantiate(compose_config(f"data.root={small_disk}/mnist").data)
+    with pytest.raises(UserError, match="Set data.root to a writable folder") as refused:
+        data.setup(Process())
+    assert f"data.root={small_disk}/mnist cannot be written to download them into" in str(
+        refused.value
+    )
+    assert "(Read-only file system)" in str(refused.value)
+
+
+# Real runs.
+
+
+def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_freed(
+    tmp_path, tiny_data, small_disk
+):
+    """On 4 MB, last.pt and best.pt (1.7 MB each) fit, a third write beside them does not:
+    the save after epoch 2 is refused. Both ranks stop together, no process is left, and with
+    space freed the same command resumes to the uninterrupted run's end."""
+    common = [f"data.root={tiny_data}", *RUN, "trainer.epochs=3", "parallel=ddp",
+              "parallel.nproc_per_node=2", "device=cpu"]  # fmt: skip
+    run_dir = small_disk / "run"
+    process = start([*common, f"hydra.run.dir={run_dir}"], tmp_path / "full",
+                    start_new_session=True)  # fmt: skip
+    assert process.wait(timeout=120) != 0
+    wait_for(lambda: not running_in_group(process.pid), None, timeout=10)  # nothing outlives it
+    message = stop_message((tmp_path / "full" / "log").read_text())
+    assert re.fullmatch(
+        rf"Stopped at step 8: {run_dir}/checkpoints/(best|last)\.pt could not be written: the "
+        r"disk is full \(No space left on device\)\. Nothing partial is left, and "
+        r"checkpoints/last\.pt from step 4 is intact\. Free space on that disk, then run the "
+        rf"same command with hydra.run.dir={run_dir} to resume\.",
+        message,
+    ), message
+    assert not partial_files(run_dir)
+    assert mount("-o", "remount,size=64m", str(small_disk)).returncode == 0
+    result = ok(train([*common, f"hydra.run.dir={run_dir}"], tmp_path))
+    assert "Resuming at epoch 2, after 0 of its batches, step 4" in printed(result)
+    reference = tmp_path / "reference"
+    ok(train([*common, f"hydra.run.dir={reference}"], tmp_path))
+    assert_same_training(run_dir, reference)
+
+
+def limit_files_to_1_mb() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))
+
+
+def test_a_file_size_limit_stops_the_first_save_and_the_run_starts_again(
+    tmp_path, tiny_data, uninterrupted
+):
+    """1 MB per file (`ulimit -f 1024`): the first checkpoint (1.7 MB) is refused."""
+    run_dir, overrides = tmp_path / "run", [f"data.root={tiny_data}", *LONG]
+    process = start([*overrides, f"hydra.run.dir={run_dir}"], tmp_path / "limited",
+                    preexec_fn=limit_files_to_1_mb)  # fmt: skip
+    assert process.wait(timeout=120) != 0
+    assert stop_message((tmp_path / "limited" / "log").read_text()) == (
+        f"Stopped at step 25: {run_dir}/checkpoints/best.pt could not be written: the file-size "
+        "limit is reached (File too large). Nothing partial is left, and no checkpoint was "
+        "written before it. Raise the limit (ulimit -f unlimited), then run the same command "
+        f"with hydra.run.dir={run_dir} to start again."
+    )
+    assert not partial_files(run_dir)
+    ok(train([*overrides, f"hydra.run.dir={run_dir}"], tmp_path))
+    assert_same_training(run_dir, uninterrupted)
+
+
+def test_a_checkpoints_folder_made_read_only_stops_and_the_run_continues_elsewhere(
+    tmp_path, tiny_data, small_disk, uninterrupted
+):
+    assert mount("-o", "remount,size=64m", str(small_disk)).returncode == 0
+    run_dir, overrides = small_disk / "run", [f"data.root={tiny_data}", *LONG]
+    checkpoints = run_dir / "checkpoints"
+    process = start([*overrides, f"hydra.run.dir={run_dir}"], tmp_path / "first")
+    wait_for(lambda: (checkpoints / "last.pt").exists(), process)
+    assert mount("--bind", str(checkpoints), str(checkpoints)).returncode == 0
+    while mount("-o", "remount,bind,ro", str(checkpoints)).returncode:  # busy while a save writes
+        assert process.poll() is None
+    assert process.wait(timeout=120) != 0
+    message = stop_message((tmp_path / "first" / "log").read_text())
+    step = int(re.search(r"last\.pt from step (\d+) is intact", message).group(1))
+    assert re.fullmatch(
+        rf"Stopped at step \d+: {checkpoints}/(best|last)\.pt could not be written: the file "
+        r"system is read-only \(Read-only file system\)\. Nothing partial is left, and "
+        rf"checkpoints/last\.pt from step {step} is intact\. Make {checkpoints} writable, then "
+        rf"run the same command with hydra.run.dir={run_dir} to resume; or continue elsewhere: "
+        rf"resume={checkpoints}/last\.pt hydra.run.dir=<a writable folder>\.",
+        message,
+    ), message
+    elsewhere = tmp_path / "elsewhere"
+    resume = f"resume={checkpoints}/last.pt"
+    ok(train([*overrides, resume, f"hydra.run.dir={elsewhere}"], tmp_path))
+    assert_same_training(elsewhere, uninterrupted)
+
+
+def test_a_run_folder_moved_during_the_run_stops_and_resumes_from_its_new_place(
+    tmp_path, tiny_data, uninterrupted
+):
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    overrides = [f"data.root={tiny_data}", *LONG]
+    process = start([*overrides, f"hydra.run.dir={run_dir}"], tmp_path / "first")
+    wait_for(lambda: (run_dir / "checkpoints" / "last.pt").exists(), process)
+    run_dir.rename(moved)
+    assert process.wait(timeout=120) != 0
+    message = stop_message((tmp_path / "first" / "log").read_text())
+    assert re.fullmatch(
+        rf"Stopped at step \d+: the run folder {run_dir} was deleted or moved during the run, so "
+        r"(metrics\.jsonl|checkpoints/(best|last)\.pt) could not be written\. If it was moved, "
+        r"run the same command with hydra.run.dir=<its new place> to resume from its "
+        r"checkpoints/last\.pt \(step \d+\); if it was deleted, start again\.",
+        message,
+    ), message
+    assert not run_dir.exists() and not partial_files(moved)
+    ok(train([*overrides, f"hydra.run.dir={moved}"], tmp_path))
+    assert_same_training(moved, uninterrupted)
