@@ -4,6 +4,7 @@ The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run, the b
 tests/test_bench.py.
 """
 
+import re
 import shlex
 import socket
 import subprocess
@@ -125,3 +126,14 @@ def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
     for command in SEQUENCE:
         run_readme_command(command, tmp_path, tiny_data)
     assert (tmp_path / "outputs" / "my-run" / "checkpoints" / "best.pt").is_file()
+
+
+def test_every_test_the_fault_table_names_exists():
+    """docs/faults.md names, for each fault, the test that injects it: each one is a real test."""
+    named = set(re.findall(r"`(test_\w+)`", (REPO / "docs" / "faults.md").read_text()))
+    defined = {
+        name
+        for path in (REPO / "tests").glob("test_*.py")
+        for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+    }
+    assert len(named) >= 20 and not named - defined, named - defined

@@ -10,10 +10,16 @@ skipped with that reason, and the file-size-limit and moved-folder tests cover t
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
+import os
 import re
 import resource
 import subprocess
+import threading
 from contextlib import contextmanager
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,7 +37,7 @@ from hydra.utils import instantiate
 from src import storage
 from src.distributed import Process
 from src.errors import UserError
-from src.logger import MetricsLogger
+from src.logger import MetricsLogger, metrics_until
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 # 25 steps an epoch, 20 epochs: time to act on the run while it trains.
@@ -176,6 +182,54 @@ def test_a_data_folder_that_cannot_be_written_is_named_with_what_to_set(small_di
         refused.value
     )
     assert "(Read-only file system)" in str(refused.value)
+
+
+def test_a_torn_last_line_of_metrics_is_left_out_on_resume(tmp_path):
+    """A run killed while writing a line: the resumed run keeps the whole lines up to its
+    checkpoint's step and writes its file afresh from them."""
+    lines = [{"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.5}]
+    whole = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 3, "train/lo')
+    history = metrics_until(tmp_path / "metrics.jsonl", step=3)
+    assert history == lines
+    MetricsLogger(tmp_path, history=history).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == whole
+
+
+def test_a_download_onto_a_full_disk_leaves_nothing_partial(tmp_path, small_disk, monkeypatch):
+    """torchvision's own download code writing onto the 4 MB disk, from a local server: its
+    mirror list and checksum are pointed there (nothing can be fetched from the internet here),
+    and the first file, 8 MB, does not fit."""
+    import torchvision
+
+    served = tmp_path / "served"
+    served.mkdir()
+    big = served / "train-images-idx3-ubyte.gz"
+    big.write_bytes(os.urandom(8 << 20))
+    handler = partial(QuietHandler, directory=str(served))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        mirror = f"http://127.0.0.1:{server.server_address[1]}/"
+        monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", [mirror])
+        checksum = hashlib.md5(big.read_bytes()).hexdigest()
+        monkeypatch.setattr(torchvision.datasets.MNIST, "resources", [(big.name, checksum)])
+        for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+            monkeypatch.delenv(proxy, raising=False)
+        data = instantiate(compose_config(f"data.root={small_disk}").data)
+        with pytest.raises(UserError) as refused:
+            data.setup(Process())
+        server.shutdown()
+    assert str(refused.value) == (
+        f"The download into {small_disk} stopped: the disk is full (No space left on device). "
+        "The partial download is removed. Free space on that disk (the dataset takes about "
+        "70 MB there), or set data.root to a folder with room."
+    )
+    assert list(small_disk.iterdir()) == []
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
 
 
 # Real runs.
