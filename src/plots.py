@@ -51,25 +51,30 @@ def curves(records: list[dict[str, Any]], path: Path) -> Path:
 
 @torch.inference_mode()
 def predictions(model: nn.Module, data: MNISTData, run_dir: Path, count: int = 32) -> Path:
-    """The first `count` test images, each titled with the predicted and the true label; the
-    wrong ones in red."""
+    """The first `count` test images, each labelled with the predicted and the true label; the
+    wrong ones in red. One image of them all, not one plot each: a second faster to draw."""
     import matplotlib.pyplot as plt
 
     model.eval()
     images, labels = data.test[0][:count], data.test[1][:count]
     predicted = model(data.normalise(images.to(data.device))).argmax(dim=1).cpu()
     names = data.class_names or [str(i) for i in range(data.num_classes)]
-    columns = 8
-    figure, grid = plt.subplots(-(-count // columns), columns, figsize=(columns * 1.4, 4 * 1.6))
-    for axes, image, guess, truth in zip(
-        grid.flat, images.cpu(), predicted.tolist(), labels.tolist(), strict=False
+    columns, (height, width) = 8, images.shape[-2:]
+    rows, band = -(-len(images) // columns), height // 2  # under each image: its label
+    sheet = torch.full((rows * (height + band), columns * (width + 4)), 255, dtype=torch.uint8)
+    figure = plt.figure(figsize=(columns * 1.4, columns * 1.4 * sheet.shape[0] / sheet.shape[1]))
+    axes = figure.add_axes((0, 0, 1, 1))
+    for i, (image, guess, truth) in enumerate(
+        zip(images.cpu(), predicted.tolist(), labels.tolist(), strict=True)
     ):
-        axes.imshow(image[0], cmap="gray")
+        top, left = (i // columns) * (height + band), (i % columns) * (width + 4) + 2
+        sheet[top : top + height, left : left + width] = image[0]
         wrong = guess != truth
-        title = f"{names[guess]}" + (f"\n(true: {names[truth]})" if wrong else "")
-        axes.set_title(title, fontsize=7, color="red" if wrong else "black")
-        axes.axis("off")
-    figure.tight_layout()
+        label = names[guess] + (f"\n(true: {names[truth]})" if wrong else "")
+        axes.text(left + width / 2, top + height + 1, label, ha="center", va="top", fontsize=7,
+                  color="red" if wrong else "black")  # fmt: skip
+    axes.imshow(sheet, cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+    axes.axis("off")
     path = run_dir / "predictions.png"
     storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     plt.close(figure)

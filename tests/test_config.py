@@ -254,7 +254,12 @@ def test_experiments_set_their_recipe(experiment, expected):
 
 def test_debug_fast_and_overfit_compose():
     fast = compose_config("debug=fast")
-    assert (fast.trainer.max_steps, fast.checkpoint.save, fast.logger._target_) == (5, False, None)
+    assert (fast.trainer.max_steps, fast.checkpoint.save, fast.logger._target_, fast.plots) == (
+        5,
+        False,
+        None,
+        False,
+    )
     overfit = compose_config("debug=overfit")
     assert overfit.data.subset == overfit.data.batch_size == 32
 
