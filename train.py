@@ -18,17 +18,19 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from src import distributed, launch
+from src import launch
 from src.run import train
 from src.settings import read_settings
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    if launch.spawns(cfg):  # parallel=ddp without torchrun: start the DDP processes here
+    if launch.starts_workers_here(
+        cfg
+    ):  # parallel=ddp without torchrun: start the DDP processes here
         read_settings(cfg)  # its values checked before any process starts
-        return launch.spawn(train, cfg)
-    if distributed.under_torchrun():  # a DDP worker: failures go to torchrun's error file
+        return launch.start_workers(train, cfg)
+    if launch.under_torchrun():  # a DDP worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)
     return train(cfg)
 
@@ -42,7 +44,7 @@ if __name__ == "__main__":
     # cuBLAS reads this at its first call only, so a deterministic job after another in the same
     # process (a sweep) needs it set now; it costs about 24 MiB of GPU memory, no speed.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    sys.argv = distributed.hydra_argv(sys.argv)
+    sys.argv = launch.hydra_argv(sys.argv)
     main()  # on failure, Hydra exits non-zero from inside
-    if distributed.under_torchrun():
-        distributed.exit_worker()
+    if launch.under_torchrun():
+        launch.exit_worker()

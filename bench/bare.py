@@ -26,9 +26,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.data import FILES, find_file, find_idx_folder, read_idx  # noqa: E402
-from src.models import CNN, MLP  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from src.data import FILES, GlobalBatchSampler, find_file, find_idx_folder, read_idx  # noqa: E402
+
+
+def recipe(model: str) -> tuple[torch.nn.Module, float, float, int]:
+    """The template's own values, read from conf/ as train.py composes them: the model (built
+    with the config's seed), Fashion-MNIST's mean and std, and the seed."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=fashion_mnist", f"model={model}"])
+    torch.manual_seed(cfg.seed)
+    return instantiate(cfg.model), cfg.data.mean, cfg.data.std, cfg.seed
 
 
 def main() -> None:
@@ -59,8 +71,8 @@ def main() -> None:
     folder = find_idx_folder(Path(args.root), "FashionMNIST")
     images = read_idx(find_file(folder, FILES["train"][0])).unsqueeze(1).to(device)
     labels = read_idx(find_file(folder, FILES["train"][1])).long().to(device)
-    torch.manual_seed(1)
-    model = (MLP(784, 512, 10) if args.model == "mlp" else CNN(10, 0.25, 0.5)).to(device)
+    model, mean, std, seed = recipe(args.model)
+    model = model.to(device)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(memory_format=layout)
     if args.compile:
@@ -70,10 +82,9 @@ def main() -> None:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    # The template's first epoch: seed 1 + epoch 1, as DistributedSampler draws it.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(2))
-
-    order = order.to(device)
+    sampler = GlobalBatchSampler(len(labels), args.batch_size, rank, world, seed)
+    sampler.set_epoch(1)  # the template's first epoch
+    order = sampler.permutation().to(device)
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
         if args.precision == "bf16"
@@ -83,7 +94,7 @@ def main() -> None:
 
     def step(first: int) -> None:
         index = order[first : first + args.batch_size][rank::world]
-        x = images.index_select(0, index).float().div_(255).sub_(0.2860).div_(0.3530)
+        x = images.index_select(0, index).float().div_(255).sub_(mean).div_(std)
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             logits = model(x.contiguous(memory_format=layout))
@@ -118,7 +129,7 @@ def main() -> None:
         )
     if ddp:
         dist.destroy_process_group()
-        # As train.py's workers do (src/distributed.py: exit_worker): gloo can abort a process
+        # As train.py's workers do (src/launch.py: exit_worker): gloo can abort a process
         # while the interpreter tears down, which torchrun would report as a failed run.
         sys.stdout.flush()
         os._exit(0)

@@ -145,12 +145,12 @@ class Checkpointer:
         self,
         policy: Checkpointing,
         run_dir: Path,
-        proc: Process,
+        process: Process,
         parts: Parts,
         config: dict[str, Any],
         wandb_id: str | None,
     ):
-        self.policy, self.run_dir, self.proc, self.parts = policy, run_dir, proc, parts
+        self.policy, self.run_dir, self.process, self.parts = policy, run_dir, process, parts
         self.config, self.wandb_id = config, wandb_id
         self.last, self.best = (
             run_dir / "checkpoints" / "last.pt",
@@ -195,12 +195,12 @@ class Checkpointer:
         """Write `path` (a copy of the checkpoint `copy_of`, if given); stop every rank, with what
         is intact, if the storage refuses it."""
         if copy_of:
-            fault = self.proc.is_main and storage.attempt(
+            fault = self.process.is_main and storage.attempt(
                 lambda: storage.copy_atomically(copy_of, path)
             )
-            fault = storage.agree(self.proc, fault or None)
+            fault = storage.agree(self.process, fault or None)
         else:
-            fault = save(path, self.proc, self.parts, progress, self.config, self.wandb_id)
+            fault = save(path, self.process, self.parts, progress, self.config, self.wandb_id)
         if fault:
             raise self.stopped(fault, progress.step)
 
@@ -232,7 +232,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(
     path: Path,
-    proc: Process,
+    process: Process,
     parts: Parts,
     progress: Progress,
     config: dict[str, Any],
@@ -246,8 +246,8 @@ def save(
     main process. The file is written beside its final name and renamed over it, so a kill
     during the write, or a refused one, leaves the previous checkpoint whole.
     """
-    rng, fault = proc.all_gather_object(rng_state()), None
-    if proc.is_main:
+    rng, fault = process.all_gather_object(rng_state()), None
+    if process.is_main:
         state = {
             "model": unwrap(parts.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
@@ -263,7 +263,7 @@ def save(
             "metrics": progress.metrics,
         }
         fault = storage.attempt(lambda: _write(path, state), path)
-    return storage.agree(proc, fault)
+    return storage.agree(process, fault)
 
 
 def _write(path: Path, state: dict[str, Any]) -> None:
@@ -272,7 +272,7 @@ def _write(path: Path, state: dict[str, Any]) -> None:
     storage.write_atomically(path, lambda file: torch.save(state, file))
 
 
-def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, dict] | None:
+def find_resume(cfg: DictConfig, run_dir: Path, process: Process) -> tuple[Path, dict] | None:
     """The checkpoint training continues from, and its contents; None to start fresh.
 
     `resume=auto` takes `checkpoints/last.pt` of the run folder if there is one, a path names a
@@ -283,19 +283,19 @@ def find_resume(cfg: DictConfig, run_dir: Path, proc: Process) -> tuple[Path, di
     path = Path(cfg.resume)
     if cfg.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
-        path = proc.broadcast_object(last if last.is_file() else None)
+        path = process.broadcast_object(last if last.is_file() else None)
         if path is None:
             return None
     log.info("Resuming from %s", path)
     if cfg.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", cfg.init_from)
-    state = load(path, proc)
-    state["best"] = _best_pt_beside((path, state["step"]), run_dir, state.get("best"), proc)
+    state = load(path, process)
+    state["best"] = _best_pt_beside((path, state["step"]), run_dir, state.get("best"), process)
     return path, state
 
 
 def _best_pt_beside(
-    resumed: tuple[Path, int], run_dir: Path, best: dict[str, Any] | None, proc: Process
+    resumed: tuple[Path, int], run_dir: Path, best: dict[str, Any] | None, process: Process
 ) -> dict[str, Any] | None:
     """The record of its best epoch that the `resumed` checkpoint (path, step) holds, with that
     epoch's best.pt in this run's folder: copied from beside the resumed file when that lies
@@ -303,7 +303,7 @@ def _best_pt_beside(
     if not best or best["epoch"] is None:
         return best
     target, found, fault = run_dir / "checkpoints" / "best.pt", None, None
-    if proc.is_main:
+    if process.is_main:
         source = resumed[0].parent / "best.pt"
         if source.is_file() and source.resolve() != target.resolve():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -316,38 +316,38 @@ def _best_pt_beside(
                 resumed[0],
                 best["epoch"],
             )
-    found, fault = proc.broadcast_object((found, fault))
+    found, fault = process.broadcast_object((found, fault))
     if fault:
         raise storage.stopped(fault, run_dir, None, resumed)
     return best if found else None
 
 
-def load_best(model: nn.Module, run_dir: Path, proc: Process) -> None:
+def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
     """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run folder
     is rank 0's, which other machines may not see) and every other rank receives its weights."""
     path, model, error = run_dir / "checkpoints" / "best.pt", unwrap(model), None
-    if proc.is_main:
+    if process.is_main:
         try:
             load_model(model, path, _checked(path, weights_only=True))
         except UserError as err:
             error = str(err)
-    errors = [e for e in proc.all_gather_object(error) if e]
+    errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    proc.broadcast_tensors(model.state_dict().values())
+    process.broadcast_tensors(model.state_dict().values())
 
 
-def find_weights(cfg: DictConfig, proc: Process) -> tuple[Path, dict] | None:
+def find_weights(cfg: DictConfig, process: Process) -> tuple[Path, dict] | None:
     """The file the model's first weights come from: `ckpt_path` to evaluate (train=false),
     `init_from` to fine-tune; None for fresh weights."""
     name = cfg.init_from if cfg.train else cfg.ckpt_path
     if name is None:
         return None
     path = Path(name)
-    return path, load(path, proc, weights_only=True)
+    return path, load(path, process, weights_only=True)
 
 
-def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any]:
+def load(path: Path, process: Process, weights_only: bool = False) -> dict[str, Any]:
     """A checkpoint of this template, read by every rank into CPU memory.
 
     Loading copies the weights onto the model's device, and the optimizer places its state by
@@ -362,7 +362,7 @@ def load(path: Path, proc: Process, weights_only: bool = False) -> dict[str, Any
         state = _checked(path, weights_only)
     except UserError as err:
         error = str(err)
-    errors = [e for e in proc.all_gather_object(error) if e]
+    errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
     return state
@@ -450,7 +450,7 @@ def _shape(tensor: torch.Tensor) -> str:
     return "×".join(map(str, tensor.shape)) or "scalar"
 
 
-def restore(state: dict[str, Any], parts: Parts, proc: Process) -> bool:
+def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
     """Continue the optimizer, the schedule, the loss scale and this rank's random streams from
     `state`.
 
@@ -461,13 +461,13 @@ def restore(state: dict[str, Any], parts: Parts, proc: Process) -> bool:
     parts.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # {} from a run without float16's loss scaling: start a fresh scale
         parts.scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) != proc.world_size:
+    if len(state["rng"]) != process.world_size:
         log.warning(
             "The checkpoint was saved by %d processes and this run has %d: weights, optimizer, "
             "schedule and sample order continue, dropout's random streams start afresh.",
             len(state["rng"]),
-            proc.world_size,
+            process.world_size,
         )
         return False
-    set_rng_state(state["rng"][proc.rank])
+    set_rng_state(state["rng"][process.rank])
     return True

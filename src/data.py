@@ -86,7 +86,7 @@ def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
     return None
 
 
-def download(root: Path, torchvision_class: str) -> None:
+def download_with_torchvision(root: Path, torchvision_class: str) -> None:
     """Download the four files with torchvision into `root/<Class>/raw`: into a folder beside
     it first, so that a download that fails (a full disk, a lost connection) leaves no partial
     file for the next run to read."""
@@ -223,29 +223,29 @@ class MNISTData:
         self.seed = seed
         self.val_size, self.split_seed = val_size, split_seed
 
-    def setup(self, proc: Process) -> None:
+    def setup(self, process: Process) -> None:
         """Check the batch size, find or download the files, load both splits onto the device."""
-        if self.batch_size < 1 or self.batch_size % proc.world_size:
+        if self.batch_size < 1 or self.batch_size % process.world_size:
             raise UserError(
-                f"data.batch_size={self.batch_size} does not divide over {proc.world_size} "
-                f"processes. Use a multiple of {proc.world_size}: it is the global batch, "
+                f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
+                f"processes. Use a multiple of {process.world_size}: it is the global batch, "
                 "and each rank takes an equal share."
             )
         # One process per machine looks for the files and downloads them if needed while the
         # others wait; gathering its verdict is the barrier, and every rank stops on an error.
         error = None
-        if proc.is_local_main:
+        if process.is_local_main:
             try:
                 self._locate_or_download()
             except UserError as err:
                 error = str(err)
-        errors = [e for e in proc.all_gather_object(error) if e]
+        errors = [e for e in process.all_gather_object(error) if e]
         if errors:
             raise UserError(errors[0])
 
         # loader=torch keeps the images in RAM and copies each batch to the device.
         folder = find_idx_folder(self.root, self.torchvision_class)
-        home = proc.device if self.loader == "tensor" else torch.device("cpu")
+        home = process.device if self.loader == "tensor" else torch.device("cpu")
         files = self._load(folder, "train", home)
         if self.val_size >= len(files[1]):
             raise UserError(
@@ -260,10 +260,10 @@ class MNISTData:
             for index in (self.train_index, self.val_index)
         )
         self.test = self._load(folder, "test", home)
-        self.device = proc.device
-        self.rank, self.world_size = proc.rank, proc.world_size
+        self.device = process.device
+        self.rank, self.world_size = process.rank, process.world_size
         self.sampler = GlobalBatchSampler(
-            len(self.train[1]), self.batch_size, proc.rank, proc.world_size, self.seed
+            len(self.train[1]), self.batch_size, process.rank, process.world_size, self.seed
         )
         if self.loader == "torch":
             dataset = IDXDataset(*self.train, standard_transform(self.mean, self.std))
@@ -294,7 +294,7 @@ class MNISTData:
                 "%s not found in %s: downloading it with torchvision", self.torchvision_class, where
             )
             try:
-                download(self.root, self.torchvision_class)
+                download_with_torchvision(self.root, self.torchvision_class)
             except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
                 reason = download_failed(err, self.root)
             if find_idx_folder(self.root, self.torchvision_class):

@@ -1,23 +1,19 @@
 """Process setup: one device, DataParallel over GPUs, or one rank of a torchrun DDP group.
 
-Rank handling lives here and nowhere else. The rest of the code asks the `Process` it is given:
-`proc.is_main` before any side effect, `proc.device` for tensors, and its collectives (which do
-nothing in a single process).
+What a rank is lives here. The rest of the code asks the `Process` it is given:
+`process.is_main` before any side effect, `process.device` for tensors, and its collectives
+(which do nothing in a single process).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import socket
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -25,14 +21,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
 
+from src import launch
 from src.errors import UserError
 from src.settings import Trainer
 
 log = logging.getLogger(__name__)
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
-_legacy_launcher = False
 
 
 @dataclass(frozen=True)
@@ -93,51 +86,6 @@ class Process:
         return tensor.tolist()
 
 
-def hydra_argv(argv: list[str]) -> list[str]:
-    """The command line to hand Hydra, fixed up for the launcher. Runs before Hydra parses it.
-
-    - The legacy `python -m torch.distributed.launch` appends `--local-rank=N`, which Hydra would
-      reject: take it out (its value is also in the LOCAL_RANK variable).
-    - Ranks other than 0 write nothing: no `.hydra/` folder and no log file, and no run folder of
-      their own (each rank resolving `${now:...}` itself would make one per rank when ranks start in
-      different seconds). They learn rank 0's run folder in `shared_run_dir`.
-    """
-    global _legacy_launcher
-    args = []
-    for arg in argv:
-        match = LEGACY_LOCAL_RANK.fullmatch(arg)
-        if match:
-            _legacy_launcher = True
-            os.environ.setdefault("LOCAL_RANK", match.group(1))
-        else:
-            args.append(arg)
-    if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.exit(
-            "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. "
-            "Run it without torchrun; each job starts its DDP processes itself: "
-            "python train.py -m parallel=ddp parallel.nproc_per_node=N ..."
-        )
-    if int(os.environ.get("RANK", 0)) > 0:
-        args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
-    elif (anchor := _restart_anchor()) and anchor.is_file():
-        # torchrun restarted the workers: rank 0 takes up the first attempt's run folder, where
-        # resume=auto finds its last.pt.
-        args.append(f"hydra.run.dir='{anchor.read_text()}'")
-    return args
-
-
-def _restart_anchor() -> Path | None:
-    """A file that belongs to this torchrun invocation and outlives its worker restarts.
-
-    torchrun keeps each attempt's error files in {log dir}/{run id}_{suffix}/attempt_{N}/{local
-    rank}/error.json; the folder above attempt_{N} is the same for every attempt.
-    """
-    error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
-    if not error_file.parent.parent.name.startswith("attempt_"):
-        return None
-    return error_file.parents[2] / "run_dir"
-
-
 def setup(cfg: DictConfig, trainer: Trainer) -> Process:
     """Pick the device for `cfg.parallel.mode`; under ddp, join the process group."""
     mode = cfg.parallel.mode
@@ -150,8 +98,9 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
             )
         return _single_process(cfg, trainer)
 
-    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
-    needed = TORCHRUN_VARIABLES if cfg.parallel.init_method == "env://" else TORCHRUN_VARIABLES[:3]
+    variables = launch.TORCHRUN_VARIABLES
+    present = [name for name in variables if name in os.environ]
+    needed = variables if cfg.parallel.init_method == "env://" else variables[:3]
     missing = [name for name in needed if name not in os.environ]
     if missing:
         raise UserError(
@@ -175,19 +124,19 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
             "Use parallel.backend=gloo (or auto) on CPUs."
         )
     timeout = timedelta(seconds=cfg.parallel.timeout)
-    if rank == 0 and not under_torchrun():  # then rank 0 hosts the rendezvous store itself
-        _check_port_free(cfg.parallel.init_method)
-    if cfg.parallel.init_method == "env://" and under_torchrun():
-        store = _attempt_store(rank, timeout)
+    if rank == 0 and not launch.under_torchrun():  # then rank 0 hosts the rendezvous store itself
+        launch.check_port_free(cfg.parallel.init_method)
+    if cfg.parallel.init_method == "env://" and launch.under_torchrun():
+        store = launch.attempt_store(rank, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)  # fmt: skip
     else:
         dist.init_process_group(backend, init_method=cfg.parallel.init_method, rank=rank,
                                 world_size=world_size, timeout=timeout)  # fmt: skip
-    proc = Process("ddp", rank, local_rank, world_size, device)
-    if not proc.is_main:
+    process = Process("ddp", rank, local_rank, world_size, device)
+    if not process.is_main:
         _quiet_logging(rank)
-    if _legacy_launcher and proc.is_main:
+    if launch.legacy_launcher_used() and process.is_main:
         log.warning(
             "torch.distributed.launch is deprecated; launch with torchrun instead: "
             "torchrun --nproc_per_node=N train.py parallel=ddp"
@@ -196,71 +145,12 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
         "DDP: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
         world_size, backend, rank, device, torch.get_num_threads(),
     )  # fmt: skip
-    return proc
-
-
-def _check_port_free(init_method: str) -> None:
-    """Stop before the rendezvous if its port is taken (by another run, most often)."""
-    url = urlsplit(init_method)
-    port = int(os.environ["MASTER_PORT"]) if url.scheme == "env" else url.port
-    if port is None:
-        return
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:
-            raise UserError(
-                f"Port {port} of the rendezvous ({init_method}, MASTER_PORT) is in use, "
-                "probably by another run. Choose a free port, or let torchrun choose one: "
-                "torchrun --standalone ... or --rdzv-endpoint=localhost:0."
-            ) from None
-
-
-def _attempt_store(rank: int, timeout: timedelta) -> dist.Store:
-    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own.
-
-    torchrun keeps one store for all restarts of a worker group, and the keys an earlier attempt
-    left there (each rank's gloo address) make a restarted group connect to dead processes
-    (torch 2.14, pytorch/pytorch#135712). With one torchrun agent, the attempt is its restart
-    count, the same for every rank (a rank killed before it counted anything cannot fall behind).
-    Across machines each agent counts its own restarts (one also restarts, uncounted, when another
-    machine's workers fail), so there each rank counts its attempts in the store.
-    """
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # one agent, one machine
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    else:
-        attempt = store.add(f"train.py/attempts/rank{rank}", 1)
-    return dist.PrefixStore(f"train.py/attempt{attempt}", store)
+    return process
 
 
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or the legacy launcher)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def exit_worker() -> None:
-    """End a torchrun worker whose work is done and flushed, skipping the interpreter's teardown.
-
-    With the gloo backend, PyTorch can abort a process while the interpreter tears down
-    ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed
-    run although every rank finished. Seen here with torch 2.14 in about 1 of 10 runs of 3 ranks
-    on 2 busy cores, also with no DDP and no destroy_process_group; never with this exit.
-    """
-    if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service
-        sys.modules["wandb"].teardown()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
@@ -307,10 +197,10 @@ def rank_gpu(local_rank: int, count: int, visible: str | None) -> int:
     )
 
 
-def seed_dp_replicas(proc: Process, seed: int) -> None:
+def seed_dp_replicas(process: Process, seed: int) -> None:
     """Under parallel=dp each GPU's replica draws its own dropout masks, as DDP's ranks do; the
     first GPU keeps `seed`, as one process on it would (torch.manual_seed seeds every GPU alike)."""
-    for i, index in enumerate(proc.device_ids[1:], start=1):
+    for i, index in enumerate(process.device_ids[1:], start=1):
         torch.cuda.default_generators[index].manual_seed(seed + i)
 
 
@@ -365,22 +255,24 @@ def check_data_parallel(
         )
 
 
-def wrap(model: nn.Module, cfg: DictConfig, proc: Process) -> nn.Module:
+def wrap(model: nn.Module, cfg: DictConfig, process: Process) -> nn.Module:
     """The model as the parallel mode trains it: plain, DataParallel or DistributedDataParallel."""
     parallel = cfg.parallel
-    if proc.mode == "ddp":
+    if process.mode == "ddp":
         return nn.parallel.DistributedDataParallel(
             model,
-            device_ids=[proc.device.index] if proc.device.type == "cuda" else None,
+            device_ids=[process.device.index] if process.device.type == "cuda" else None,
             find_unused_parameters=parallel.find_unused_parameters,
             bucket_cap_mb=parallel.bucket_cap_mb,
             gradient_as_bucket_view=parallel.gradient_as_bucket_view,
             static_graph=parallel.static_graph,
         )
-    if proc.mode == "dp":
-        # DataParallel wants the model on its first GPU; outputs (and the loss) on proc.device.
-        model = model.to(torch.device("cuda", proc.device_ids[0]))
-        return nn.DataParallel(model, device_ids=list(proc.device_ids), output_device=proc.device)
+    if process.mode == "dp":
+        # DataParallel wants the model on its first GPU; outputs (and the loss) on process.device.
+        model = model.to(torch.device("cuda", process.device_ids[0]))
+        return nn.DataParallel(
+            model, device_ids=list(process.device_ids), output_device=process.device
+        )
     return model
 
 
@@ -391,12 +283,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
 
-def shared_run_dir(proc: Process, run_dir: Path | None = None) -> Path:
+def shared_run_dir(process: Process, run_dir: Path | None = None) -> Path:
     """Rank 0's run folder (the one Hydra made, unless given), which every rank uses."""
     run_dir = str(run_dir or HydraConfig.get().runtime.output_dir)
-    if proc.is_main and (anchor := _restart_anchor()):
+    if process.is_main and (anchor := launch.restart_anchor()):
         anchor.write_text(run_dir)
-    return Path(proc.broadcast_object(run_dir))
+    return Path(process.broadcast_object(run_dir))
 
 
 def _quiet_logging(rank: int) -> None:

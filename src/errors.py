@@ -9,3 +9,7 @@ class UserError(CompactHydraException):
     Raise it where the mistake enters, with one or two sentences that say what to do.
     Real bugs keep raising ordinary exceptions, with their tracebacks.
     """
+
+
+class Stopped(CompactHydraException):
+    """Training stopped on a signal after saving its checkpoint; Hydra prints the message alone."""

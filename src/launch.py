@@ -1,6 +1,10 @@
 """Starting DDP workers: `python train.py parallel=ddp` launches them itself, through PyTorch's own
 launcher API (`elastic_launch`, the code torchrun runs), and every DDP worker, self-launched or
 started by torchrun, reports a failure the same way: once, in torchrun's error file.
+
+Also the plumbing between torchrun and Hydra (at the end): the command line each worker hands
+Hydra, the run folder a restarted worker group takes up, the rendezvous store of each restart,
+the worker's exit. Each workaround names the upstream issue it works around, and when it can go.
 """
 
 from __future__ import annotations
@@ -10,31 +14,38 @@ import json
 import logging
 import logging.config
 import os
+import re
+import socket
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
+import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
-from src.distributed import TORCHRUN_VARIABLES
-from src.errors import UserError
-from src.training import Stopped
+from src.errors import Stopped, UserError
 
 log = logging.getLogger(__name__)
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
+_legacy_launcher = False
 
 
 class WorkerFailed(CompactHydraException):
     """A DDP worker failed; the message carries its own error (Hydra prints the message alone)."""
 
 
-def spawns(cfg: DictConfig) -> bool:
+def starts_workers_here(cfg: DictConfig) -> bool:
     """parallel=ddp started without torchrun: this process launches the workers."""
     return cfg.parallel.mode == "ddp" and not any(v in os.environ for v in TORCHRUN_VARIABLES)
 
@@ -54,7 +65,7 @@ def nproc_per_node(cfg: DictConfig) -> int:
     return nproc
 
 
-def spawn(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
+def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     """Run `train(cfg, run_dir)` in `parallel.nproc_per_node` DDP processes on this machine and
     return rank 0's result.
 
@@ -139,7 +150,7 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
 
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     """`train(*args)` in a DDP worker: a failure exits with status 1 and is written to torchrun's
-    error file, from where torchrun (or `spawn`) reports the first failing rank, once.
+    error file, from where torchrun (or `start_workers`) reports the first failing rank, once.
 
     A user's mistake is recorded as its message alone, anything else with its traceback. Only a
     stop on a signal is also printed here: torchrun, stopped by the signal too, reports nothing.
@@ -158,3 +169,127 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
         ErrorHandler().record_exception(sys.exc_info()[1])
     logging.shutdown()
     sys.exit(1)
+
+
+# Launcher plumbing: what torchrun and Hydra need from each other.
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """The command line to hand Hydra, fixed up for the launcher. Runs before Hydra parses it.
+
+    - The legacy `python -m torch.distributed.launch` appends `--local-rank=N`, which Hydra would
+      reject: take it out (its value is also in the LOCAL_RANK variable). Hydra reads every
+      argument as an override (the failure seen in facebookresearch/fairseq#4164); this can go
+      when PyTorch removes the deprecated launcher.
+    - Ranks other than 0 write nothing: no `.hydra/` folder and no log file, and no run folder of
+      their own (each rank resolving `${now:...}` itself would make one per rank when ranks start in
+      different seconds: facebookresearch/hydra#2070, ashleve/lightning-hydra-template#393). They
+      learn rank 0's run folder in `shared_run_dir`. This can go when Hydra hands one resolved
+      run folder to every process of a job.
+    """
+    global _legacy_launcher
+    args = []
+    for arg in argv:
+        match = LEGACY_LOCAL_RANK.fullmatch(arg)
+        if match:
+            _legacy_launcher = True
+            os.environ.setdefault("LOCAL_RANK", match.group(1))
+        else:
+            args.append(arg)
+    if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.exit(
+            "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. "
+            "Run it without torchrun; each job starts its DDP processes itself: "
+            "python train.py -m parallel=ddp parallel.nproc_per_node=N ..."
+        )
+    if int(os.environ.get("RANK", 0)) > 0:
+        args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+    elif (anchor := restart_anchor()) and anchor.is_file():
+        # torchrun restarted the workers: rank 0 takes up the first attempt's run folder, where
+        # resume=auto finds its last.pt.
+        args.append(f"hydra.run.dir='{anchor.read_text()}'")
+    return args
+
+
+def restart_anchor() -> Path | None:
+    """A file that belongs to this torchrun invocation and outlives its worker restarts.
+
+    torchrun keeps each attempt's error files in {log dir}/{run id}_{suffix}/attempt_{N}/{local
+    rank}/error.json; the folder above attempt_{N} is the same for every attempt. A restarted
+    worker is a new process, in which Hydra would make a new run folder (facebookresearch/hydra#2070
+    again); the anchor can go with that issue.
+    """
+    error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
+    if not error_file.parent.parent.name.startswith("attempt_"):
+        return None
+    return error_file.parents[2] / "run_dir"
+
+
+def legacy_launcher_used() -> bool:
+    """Whether this worker was started by the deprecated `python -m torch.distributed.launch`."""
+    return _legacy_launcher
+
+
+def check_port_free(init_method: str) -> None:
+    """Stop before the rendezvous if its port is taken (by another run, most often).
+
+    Not a workaround, a message: without it, a taken port surfaces as a DistNetworkError
+    traceback from deep inside init_process_group."""
+    url = urlsplit(init_method)
+    port = int(os.environ["MASTER_PORT"]) if url.scheme == "env" else url.port
+    if port is None:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise UserError(
+                f"Port {port} of the rendezvous ({init_method}, MASTER_PORT) is in use, "
+                "probably by another run. Choose a free port, or let torchrun choose one: "
+                "torchrun --standalone ... or --rdzv-endpoint=localhost:0."
+            ) from None
+
+
+def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
+    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own.
+
+    torchrun keeps one store for all restarts of a worker group, and the keys an earlier attempt
+    left there (each rank's gloo address) make a restarted group connect to dead processes
+    (torch 2.14, pytorch/pytorch#135712). With one torchrun agent, the attempt is its restart
+    count, the same for every rank (a rank killed before it counted anything cannot fall behind).
+    Across machines each agent counts its own restarts (one also restarts, uncounted, when another
+    machine's workers fail), so there each rank counts its attempts in the store. This can go
+    when torchrun gives each restart a store of its own.
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # one agent, one machine
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    else:
+        attempt = store.add(f"train.py/attempts/rank{rank}", 1)
+    return dist.PrefixStore(f"train.py/attempt{attempt}", store)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or the legacy launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def exit_worker() -> None:
+    """End a torchrun worker whose work is done and flushed, skipping the interpreter's teardown.
+
+    With the gloo backend, PyTorch can abort a process while the interpreter tears down
+    ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed
+    run although every rank finished. Seen here with torch 2.14 in about 1 of 10 runs of 3 ranks
+    on 2 busy cores, also with no DDP and no destroy_process_group; never with this exit. Gloo's
+    threads outlive the interpreter's finalization (pytorch/pytorch#179291 proposed destroying
+    process groups at exit and was abandoned in 2026); this can go when a release does that.
+    """
+    if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service
+        sys.modules["wandb"].teardown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -200,7 +200,7 @@ def _has_api_key(default_base_url: str) -> bool:
 def open_logger(
     cfg: DictConfig,
     run_dir: Path,
-    proc: Process,
+    process: Process,
     resumed: tuple[Path, dict[str, Any]] | None = None,
 ) -> AbstractContextManager[MetricsLogger | None]:
     """The main process's logger, with the tracker `cfg.logger` names; None on other ranks.
@@ -208,7 +208,7 @@ def open_logger(
     Used as a context manager, so the tracker is finished on every exit, errors included.
     A run `resumed` from (checkpoint path, checkpoint) continues its metrics and its wandb run.
     """
-    if not proc.is_main:
+    if not process.is_main:
         return nullcontext()
     history, run_id = [], None
     if resumed:

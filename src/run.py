@@ -24,12 +24,12 @@ from src.settings import Trainer, read_settings
 from src.training import (
     Fitted,
     build_scheduler,
+    channels_last_and_compile,
     check_accumulation,
     configure_kernels,
     evaluate_and_log,
     fit,
     seed_everything,
-    speed_up,
     test,
 )
 
@@ -45,38 +45,38 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     settings = read_settings(cfg)  # the config's values, checked before any work
     trainer = settings.trainer
     configure_kernels(trainer)
-    proc = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
+    process = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
     try:
         if cfg.train:  # each rank's share of a batch splits into the micro-batches asked for
-            check_accumulation(trainer, cfg.data.batch_size, proc.world_size)
-        run_dir = distributed.shared_run_dir(proc, run_dir)
+            check_accumulation(trainer, cfg.data.batch_size, process.world_size)
+        run_dir = distributed.shared_run_dir(process, run_dir)
         log.info("Run folder: %s", run_dir)
         # (path, checkpoint): the one training continues from, else the one whose weights it
         # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
-        resumed = checkpoint.find_resume(cfg, run_dir, proc)
+        resumed = checkpoint.find_resume(cfg, run_dir, process)
         # The config as this run uses it, interpolations resolved; saved with each checkpoint.
         config = OmegaConf.to_container(cfg, resolve=True)
-        write_config(config, run_dir, proc, resumed and (resumed[0], resumed[1]["step"]))
-        weights = resumed or checkpoint.find_weights(cfg, proc)
-        with open_logger(cfg, run_dir, proc, resumed) as logger:  # finishes wandb on every exit
+        write_config(config, run_dir, process, resumed and (resumed[0], resumed[1]["step"]))
+        weights = resumed or checkpoint.find_weights(cfg, process)
+        with open_logger(cfg, run_dir, process, resumed) as logger:  # finishes wandb on every exit
             data = instantiate(cfg.data)
-            data.setup(proc)
+            data.setup(process)
 
-            model = build_model(cfg, trainer, proc, weights)
+            model = build_model(cfg, trainer, process, weights)
             if cfg.train:
                 state = resumed and resumed[1]
-                parts = build_parts(cfg, trainer, model, data.steps_per_epoch, proc, state)
+                parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
                 saver = Checkpointer(
                     settings.checkpoint,
                     run_dir,
-                    proc,
+                    process,
                     parts,
                     config,
                     logger.run_id if logger else None,
                 )
                 if resumed:  # intact until this run writes its own
                     saver.kept = (resumed[0], state["step"])
-                fitted = fit(parts, data, proc, settings, saver, logger, run_dir, state)
+                fitted = fit(parts, data, process, settings, saver, logger, run_dir, state)
                 result = fitted.best and fitted.best.value
             else:  # train=false: the checkpoint's weights, on the validation split too
                 fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
@@ -84,16 +84,16 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 if len(data.val[1]):
                     at = {"step": fitted.step, "epoch": fitted.epoch}
                     val = evaluate_and_log(
-                        model, data, "val", proc, logger, trainer, at, str(weights[0])
+                        model, data, "val", process, logger, trainer, at, str(weights[0])
                     )
                     result = val[settings.checkpoint.monitor]
-            test(model, data, proc, logger, trainer, fitted, run_dir)  # once, at the end
+            test(model, data, process, logger, trainer, fitted, run_dir)  # once, at the end
             unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
-            if cfg.plots and proc.is_main and not unwritten:
+            if cfg.plots and process.is_main and not unwritten:
                 unwritten = storage.attempt(lambda: draw(run_dir, model, data, logger))
             # Every rank stops together, and none tears the process group down while another
             # still uses it.
-            if unwritten := storage.agree(proc, unwritten or None):
+            if unwritten := storage.agree(process, unwritten or None):
                 kept = saver.kept if cfg.train else None
                 raise storage.stopped(unwritten, run_dir, fitted.step, kept)
     finally:
@@ -102,19 +102,19 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
 
 
 def write_config(
-    config: dict, run_dir: Path, proc: distributed.Process, kept: tuple[Path, int] | None
+    config: dict, run_dir: Path, process: distributed.Process, kept: tuple[Path, int] | None
 ) -> None:
     """Log the resolved config and write it to `config_resolved.yaml` (the main process); every
     rank stops if the storage refuses it."""
     unwritten = None
-    if proc.is_main:
+    if process.is_main:
         text = OmegaConf.to_yaml(config)
         log.info("Config:\n%s", text)
         path = run_dir / "config_resolved.yaml"
         unwritten = storage.attempt(
             lambda: storage.write_atomically(path, lambda file: file.write(text.encode()))
         )
-    if unwritten := storage.agree(proc, unwritten):
+    if unwritten := storage.agree(process, unwritten):
         raise storage.stopped(unwritten, run_dir, None, kept)
 
 
@@ -126,17 +126,17 @@ def draw(run_dir: Path, model: nn.Module, data, logger: MetricsLogger | None) ->
 
 
 def build_model(
-    cfg: DictConfig, trainer: Trainer, proc: distributed.Process, weights: tuple | None
+    cfg: DictConfig, trainer: Trainer, process: distributed.Process, weights: tuple | None
 ) -> nn.Module:
     """The model of `cfg.model`, the same on every rank, with the checkpoint `weights` if given,
     wrapped as the parallel mode trains it."""
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    model = instantiate(cfg.model).to(proc.device)
+    model = instantiate(cfg.model).to(process.device)
     if weights:
         checkpoint.load_model(model, *weights)
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return distributed.wrap(speed_up(model, trainer), cfg, proc)
+    return distributed.wrap(channels_last_and_compile(model, trainer), cfg, process)
 
 
 def build_parts(
@@ -144,7 +144,7 @@ def build_parts(
     trainer: Trainer,
     model: nn.Module,
     steps_per_epoch: int,
-    proc: distributed.Process,
+    process: distributed.Process,
     state: dict | None,
 ) -> Parts:
     """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
@@ -154,9 +154,9 @@ def build_parts(
     total_steps = min(total_steps, trainer.max_steps or total_steps)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
-    scaler = torch.amp.GradScaler(proc.device.type, enabled=trainer.precision == "16")
+    scaler = torch.amp.GradScaler(process.device.type, enabled=trainer.precision == "16")
     parts = Parts(model, optimizer, scheduler, scaler)
-    if not (state and checkpoint.restore(state, parts, proc)):
-        seed_everything(cfg.seed + proc.rank)  # each rank its own dropout stream
-        distributed.seed_dp_replicas(proc, cfg.seed)  # and under dp, each GPU's replica
+    if not (state and checkpoint.restore(state, parts, process)):
+        seed_everything(cfg.seed + process.rank)  # each rank its own dropout stream
+        distributed.seed_dp_replicas(process, cfg.seed)  # and under dp, each GPU's replica
     return parts

@@ -97,10 +97,10 @@ def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | No
     return None
 
 
-def agree(proc: Process, fault: Fault | None) -> Fault | None:
+def agree(process: Process, fault: Fault | None) -> Fault | None:
     """The first rank's fault, on every rank, so that all of them stop together (one collective,
     which is also a barrier)."""
-    return next((f for f in proc.all_gather_object(fault) if f), None)
+    return next((f for f in process.all_gather_object(fault) if f), None)
 
 
 def copy_atomically(source: Path, target: Path) -> None:

@@ -34,7 +34,7 @@ from src import checkpoint
 from src.checkpoint import Best, Checkpointer, Parts, Progress
 from src.data import MNISTData
 from src.distributed import Process, unwrap
-from src.errors import UserError
+from src.errors import Stopped, UserError
 from src.logger import MetricsLogger
 from src.settings import Settings, Trainer
 
@@ -64,7 +64,7 @@ def configure_kernels(trainer: Trainer) -> None:
     torch.set_float32_matmul_precision(trainer.matmul_precision)
 
 
-def speed_up(model: nn.Module, trainer: Trainer) -> nn.Module:
+def channels_last_and_compile(model: nn.Module, trainer: Trainer) -> nn.Module:
     """The plain model, channels-last and compiled as `trainer` asks; before any DDP wrapper."""
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -131,10 +131,6 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-class Stopped(CompactHydraException):
-    """Training stopped on a signal after saving its checkpoint; Hydra prints the message alone."""
-
-
 class NonFiniteLoss(CompactHydraException):
     """The training loss became NaN or infinite; nothing after it was saved."""
 
@@ -150,7 +146,7 @@ class Fitted(NamedTuple):
 def fit(
     parts: Parts,
     data: MNISTData,
-    proc: Process,
+    process: Process,
     settings: Settings,
     checkpointer: Checkpointer,
     logger: MetricsLogger | None,
@@ -171,20 +167,27 @@ def fit(
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
     if trainer.warmup_steps:
-        warm_up(parts, data, proc, trainer, logger, progress.step)
-    with StopSignals() as signals, profiler(trainer.profile, run_dir, proc) as profile:
-        watch = Watch(proc, trainer, logger, signals, checkpointer)
+        warm_up(parts, data, process, trainer, logger, progress.step)
+    with StopSignals() as signals, profiler(trainer.profile, run_dir, process) as profile:
+        watch = Watch(process, trainer, logger, signals, checkpointer)
         while not (why := why_finished(progress, trainer)):
-            speed = train_epoch(parts, data, proc, trainer, progress, watch, profile)
+            speed = train_epoch(parts, data, process, trainer, progress, watch, profile)
             watch.check(progress, parts.model)  # nothing non-finite is validated or saved
             if settings.validates:
                 progress.metrics = evaluate_and_log(
-                    parts.model, data, "val", proc, logger, trainer, progress.record, progress.about
+                    parts.model,
+                    data,
+                    "val",
+                    process,
+                    logger,
+                    trainer,
+                    progress.record,
+                    progress.about,
                 )
             log_speed(speed, progress, logger)
             checkpointer.epoch_done(progress)
             if watch.stop:
-                stop_now(proc, checkpointer, progress.step)
+                stop_now(process, checkpointer, progress.step)
             if progress.epoch_step == data.steps_per_epoch:
                 progress.epoch, progress.epoch_step = progress.epoch + 1, 0
     log.info("Training ended: %s.", why)
@@ -207,7 +210,7 @@ def why_finished(progress: Progress, trainer: Trainer) -> str:
 def train_epoch(
     parts: Parts,
     data: MNISTData,
-    proc: Process,
+    process: Process,
     trainer: Trainer,
     progress: Progress,
     watch: Watch,
@@ -216,19 +219,19 @@ def train_epoch(
     """One pass over the training batches (what is left of it, after a resume), or up to
     `max_steps` or a stop signal; returns its speed."""
     parts.model.train()
-    if proc.device.type == "cuda":  # this epoch's training peak, not an earlier evaluation's
-        torch.cuda.reset_peak_memory_stats(proc.device)
+    if process.device.type == "cuda":  # this epoch's training peak, not an earlier evaluation's
+        torch.cuda.reset_peak_memory_stats(process.device)
     started, images_seen = time.perf_counter(), 0
     bar = tqdm(
         initial=progress.epoch_step,
         total=data.steps_per_epoch,
         leave=False,
         desc=f"epoch {progress.epoch}",
-        disable=not (proc.is_main and sys.stdout.isatty()),
+        disable=not (process.is_main and sys.stdout.isatty()),
     )
     for images, labels, global_size in data.train_batches(progress.epoch, progress.epoch_step):
         logs = (progress.step + 1) % trainer.log_every_n_steps == 0
-        loss, grad_norm = train_step(parts, images, labels, global_size, proc, trainer, logs)
+        loss, grad_norm = train_step(parts, images, labels, global_size, process, trainer, logs)
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
         if trainer.step_interval:
             parts.scheduler.step()
@@ -242,12 +245,12 @@ def train_epoch(
             break  # the epoch's end validates and saves
         if watch.stop:
             watch.save(progress)
-            stop_now(proc, watch.checkpointer, progress.step)
+            stop_now(process, watch.checkpointer, progress.step)
         watch.step_saves(progress, data.steps_per_epoch)
     bar.close()
     if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
         parts.scheduler.step()
-    return throughput(started, images_seen, proc.device)
+    return throughput(started, images_seen, process.device)
 
 
 def train_step(
@@ -255,7 +258,7 @@ def train_step(
     images: torch.Tensor,
     labels: torch.Tensor,
     global_size: int,
-    proc: Process,
+    process: Process,
     trainer: Trainer,
     measure_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -268,16 +271,16 @@ def train_step(
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     optimizer.zero_grad(set_to_none=True)
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
-    micro = max(1, min(trainer.accumulate_grad_batches, global_size // proc.world_size))
+    micro = max(1, min(trainer.accumulate_grad_batches, global_size // process.world_size))
     pieces = list(zip(images.tensor_split(micro), labels.tensor_split(micro), strict=True))
     total = None
     for i, (x, y) in enumerate(pieces):
         last = i == len(pieces) - 1
         # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
-        with nullcontext() if last or proc.mode != "ddp" else model.no_sync():
-            with autocast(proc.device, trainer):
+        with nullcontext() if last or process.mode != "ddp" else model.no_sync():
+            with autocast(process.device, trainer):
                 logits = model(x.contiguous(memory_format=trainer.memory_format))
-                loss = train_loss(logits, y, global_size, proc.world_size, micro)
+                loss = train_loss(logits, y, global_size, process.world_size, micro)
             scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     grad_norm = None
@@ -324,13 +327,13 @@ class Watch:
 
     def __init__(
         self,
-        proc: Process,
+        process: Process,
         trainer: Trainer,
         logger: MetricsLogger | None,
         signals: StopSignals,
         checkpointer: Checkpointer,
     ):
-        self.proc, self.trainer, self.logger, self.signals = proc, trainer, logger, signals
+        self.process, self.trainer, self.logger, self.signals = process, trainer, logger, signals
         self.checkpointer = checkpointer
         self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
         self.stop = False
@@ -346,7 +349,7 @@ class Watch:
                 if grad_norm is not None:
                     record["train/grad_norm"] = grad_norm.item()
                 self.logger.log(record)
-        elif self.proc.world_size == 1:  # no other rank to agree with: stop after this step
+        elif self.process.world_size == 1:  # no other rank to agree with: stop after this step
             self.stop = bool(self.signals.received)
 
     def check(self, progress: Progress, weights: nn.Module | None = None) -> float:
@@ -360,18 +363,18 @@ class Watch:
         broken = weights is not None and not finite(unwrap(weights).state_dict().values())
         last = losses[-1].item() if losses else 0.0
         unwritten = self.logger and self.logger.fault
-        loss_sum, stop, bad_losses, bad_weights, refused = self.proc.sum_over_ranks(
+        loss_sum, stop, bad_losses, bad_weights, refused = self.process.sum_over_ranks(
             [last, bool(self.signals.received), first_bad is not None, broken, bool(unwritten)]
         )
         self.losses, self.stop = [], self.stop or bool(stop)
         if refused:
-            raise self.checkpointer.stopped(self.proc.broadcast_object(unwritten), progress.step)
+            raise self.checkpointer.stopped(self.process.broadcast_object(unwritten), progress.step)
         if bad_losses:
-            first = min(s for s in self.proc.all_gather_object(first_bad) if s is not None)
+            first = min(s for s in self.process.all_gather_object(first_bad) if s is not None)
             raise non_finite(f"the training loss was not finite at step {first}", self)
         if bad_weights:
             raise non_finite(f"the weights were not finite after step {progress.step}", self)
-        return loss_sum / self.proc.world_size
+        return loss_sum / self.process.world_size
 
     def save(self, progress: Progress) -> None:
         """`last.pt` now, once the losses and the weights are checked to be finite."""
@@ -406,9 +409,9 @@ def non_finite(what: str, watch: Watch) -> NonFiniteLoss:
     )
 
 
-def stop_now(proc: Process, checkpointer: Checkpointer, step: int) -> NoReturn:
+def stop_now(process: Process, checkpointer: Checkpointer, step: int) -> NoReturn:
     """End the run after a stop signal, with the command that resumes it."""
-    if not proc.is_main:
+    if not process.is_main:
         sys.exit(1)  # quietly: rank 0 tells the user
     if not checkpointer.policy.save:
         raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
@@ -421,7 +424,7 @@ def stop_now(proc: Process, checkpointer: Checkpointer, step: int) -> NoReturn:
 def warm_up(
     parts: Parts,
     data: MNISTData,
-    proc: Process,
+    process: Process,
     trainer: Trainer,
     logger: MetricsLogger | None,
     step: int,
@@ -446,21 +449,21 @@ def warm_up(
         data.train_batches(1, skip=last),
     )
     for images, labels, global_size in batches:
-        train_step(parts, images, labels, global_size, proc, trainer)
-    evaluate(model, data, "val" if len(data.val[1]) else "test", proc, trainer)  # thrown away
+        train_step(parts, images, labels, global_size, process, trainer)
+    evaluate(model, data, "val" if len(data.val[1]) else "test", process, trainer)  # thrown away
     unwrap(model).load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     scaler.load_state_dict(saved[2])
     checkpoint.set_rng_state(generators)
-    if proc.device.type == "cuda":
-        torch.cuda.synchronize(proc.device)
+    if process.device.type == "cuda":
+        torch.cuda.synchronize(process.device)
     seconds = time.perf_counter() - started
     log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
     if logger:
         logger.log({"step": step, "time/warmup_s": seconds})
 
 
-def profiler(steps: int | None, run_dir: Path, proc: Process) -> AbstractContextManager:
+def profiler(steps: int | None, run_dir: Path, process: Process) -> AbstractContextManager:
     """`trainer.profile=N`: a torch.profiler trace of N training steps (after one to warm up),
     one file per rank in `profile/` of the run folder, for TensorBoard or Perfetto."""
     if not steps:
@@ -468,12 +471,12 @@ def profiler(steps: int | None, run_dir: Path, proc: Process) -> AbstractContext
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
     activities = [ProfilerActivity.CPU]
-    if proc.device.type == "cuda":
+    if process.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     return profile(
         activities=activities,
         schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(run_dir / "profile"), f"rank{proc.rank}"),
+        on_trace_ready=tensorboard_trace_handler(str(run_dir / "profile"), f"rank{process.rank}"),
         record_shapes=True,
     )
 
@@ -509,7 +512,7 @@ def evaluate_and_log(
     model: nn.Module,
     data: MNISTData,
     split: str,
-    proc: Process,
+    process: Process,
     logger: MetricsLogger | None,
     trainer: Trainer,
     record: dict[str, Any],
@@ -517,7 +520,7 @@ def evaluate_and_log(
 ) -> dict[str, Any]:
     """Evaluate on `split` (val or test); print the result after `about` (where training stands,
     which weights), and log it with `record` (its step, epoch, ...)."""
-    metrics = evaluate(model, data, split, proc, trainer)
+    metrics = evaluate(model, data, split, process, trainer)
     log.info(
         "%s: %s loss %.4f, %s accuracy %.4f",
         about,
@@ -534,7 +537,7 @@ def evaluate_and_log(
 def test(
     model: nn.Module,
     data: MNISTData,
-    proc: Process,
+    process: Process,
     logger: MetricsLogger | None,
     trainer: Trainer,
     fitted: Fitted,
@@ -545,12 +548,12 @@ def test(
     epoch, step, best = fitted
     weights, weights_epoch = f"the weights after epoch {epoch} (step {step})", epoch
     if best and best.epoch is not None and trainer.test_weights == "best":
-        checkpoint.load_best(model, run_dir, proc)
+        checkpoint.load_best(model, run_dir, process)
         weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
         weights_epoch = best.epoch
     record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
     about = f"Test on {weights}"
-    metrics = evaluate_and_log(model, data, "test", proc, logger, trainer, record, about)
+    metrics = evaluate_and_log(model, data, "test", process, logger, trainer, record, about)
     if logger:
         chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
         logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
@@ -559,7 +562,7 @@ def test(
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, data: MNISTData, split: str, proc: Process, trainer: Trainer | None = None
+    model: nn.Module, data: MNISTData, split: str, process: Process, trainer: Trainer | None = None
 ) -> dict[str, Any]:
     """Loss and accuracy over the whole `split` (val or test), each image counted once across
     ranks, with the precision and memory layout of `trainer` (if given)."""
@@ -569,17 +572,17 @@ def evaluate(
         model = model.module
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
     # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
-    proc.broadcast_tensors(model.buffers())
+    process.broadcast_tensors(model.buffers())
     layout = trainer.memory_format if trainer else torch.contiguous_format
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for images, labels in data.eval_batches(split):
-        with autocast(proc.device, trainer):
+        with autocast(process.device, trainer):
             logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
         correct += (logits.argmax(dim=1) == labels).sum().item()
         count += len(labels)
-    loss_sum, correct, count = proc.sum_over_ranks([loss_sum, correct, count])
+    loss_sum, correct, count = process.sum_over_ranks([loss_sum, correct, count])
     return {
         f"{split}/loss": loss_sum / count,
         f"{split}/acc": correct / count,

@@ -223,7 +223,7 @@ def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folde
     ok(train([*overrides, f"hydra.run.dir={whole}"], tmp_path, nproc=2))
     outputs = tmp_path / "killed" / "outputs"
     # After the restart rank 1 joins first, where what the first attempt left in torchrun's store
-    # would send it to the dead rank 0 (see distributed._attempt_store).
+    # would send it to the dead rank 0 (see launch.attempt_store).
     restarted_rank_0_starts_late = '[ "$RANK$TORCHELASTIC_RESTART_COUNT" = 01 ] && sleep 2'
     agent = subprocess.Popen(
         torchrun_through_shell(

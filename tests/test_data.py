@@ -171,10 +171,12 @@ def test_torch_loader_gives_the_tensor_loaders_batches(tiny_data, world_size, nu
     batches of data.loader=tensor: the same samples, order, normalisation and global sizes;
     also when resuming in the middle of an epoch."""
     for rank in range(world_size):
-        proc = Process(rank=rank, world_size=world_size)  # the collectives of one process suffice
+        process = Process(
+            rank=rank, world_size=world_size
+        )  # the collectives of one process suffice
         fast, standard = mnist(tiny_data), mnist(tiny_data, loader="torch", num_workers=num_workers)
-        fast.setup(proc)
-        standard.setup(proc)
+        fast.setup(process)
+        standard.setup(process)
         for epoch, skip in [(1, 0), (2, 0), (2, 2)]:
             got = list(standard.train_batches(epoch, skip))
             want = list(fast.train_batches(epoch, skip))
@@ -242,14 +244,14 @@ def test_the_validation_split_depends_on_split_seed_alone(tmp_path):
     numbered_dataset(tmp_path)
     reference = mnist(tmp_path)
     reference.setup(Process())
-    for overrides, proc in [
+    for overrides, process in [
         ({"seed": 7}, Process()),
         ({}, Process(rank=2, world_size=4)),
         ({"loader": "torch"}, Process()),
         ({"subset": 40}, Process()),
     ]:
         data = mnist(tmp_path, **overrides)
-        data.setup(proc)
+        data.setup(process)
         assert torch.equal(data.val_index, reference.val_index), overrides
         assert torch.equal(data.val[0], reference.val[0]) and torch.equal(
             data.val[1], reference.val[1]

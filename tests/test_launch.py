@@ -301,7 +301,7 @@ from src import launch
 def job(cfg):
     train = pickle.loads(open({payload!r}, "rb").read())
     assert "src.run" not in sys.modules, "the function was pickled by reference"
-    print("rank 0 returned", launch.spawn(train, cfg))
+    print("rank 0 returned", launch.start_workers(train, cfg))
 
 if __name__ == "__main__":  # the DDP workers import this file too
     job()
