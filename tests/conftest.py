@@ -284,3 +284,14 @@ def wait_for(condition, process: subprocess.Popen | None, timeout: float = 120) 
 def metric_lines(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A test marked `unit` that starts a process fails: the tier stays in-process and fast."""
+    if request.node.get_closest_marker("unit"):
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError(f"a unit test started a process: {args[:1]}")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)

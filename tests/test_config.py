@@ -21,6 +21,7 @@ GROUPS = {
 }
 
 
+@pytest.mark.unit
 def test_every_option_composes_and_says_what_it_is():
     """A group's options are the files in its folder, found rather than listed (a fork adds a
     model by adding conf/model/<name>.yaml); each composes into the run's config and opens with a
@@ -33,6 +34,7 @@ def test_every_option_composes_and_says_what_it_is():
             assert compose_config(f"{group}={name}")[group], f"{group}={name}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", GROUPS["model"])
 def test_models_build_and_classify_a_batch(name):
     cfg = compose_config(f"model={name}")
@@ -40,6 +42,7 @@ def test_models_build_and_classify_a_batch(name):
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
+@pytest.mark.unit
 def test_reference_architectures():
     mlp = instantiate(compose_config("model=mlp").model)
     assert [tuple(p.shape) for p in mlp.parameters()] == [(512, 784), (512,), (10, 512), (10,)]
@@ -57,6 +60,7 @@ def test_reference_architectures():
     assert [m.p for m in cnn.modules() if isinstance(m, torch.nn.Dropout)] == [0.25, 0.5]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
 @pytest.mark.parametrize("scheduler", GROUPS["scheduler"])
 def test_optimizers_and_schedulers_build_and_step(optimizer, scheduler):
@@ -72,6 +76,7 @@ def test_optimizers_and_schedulers_build_and_step(optimizer, scheduler):
     assert cfg.scheduler.interval in ("epoch", "step")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("data", GROUPS["data"])
 def test_data_options(data):
     cfg = compose_config(f"data={data}")
@@ -81,18 +86,21 @@ def test_data_options(data):
     assert cfg.data.root.endswith("/data")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("parallel", GROUPS["parallel"])
 def test_parallel_options(parallel):
     cfg = compose_config(f"parallel={parallel}")
     assert cfg.parallel.mode == parallel
 
 
+@pytest.mark.unit
 def test_logger_options():
     assert compose_config("logger=none").logger._target_ is None
     wandb = compose_config("logger=wandb").logger
     assert wandb._target_ == "src.logger.WandbTracker" and wandb.mode is None
 
 
+@pytest.mark.unit
 def test_public_contract_keys():
     """The names users and scripts rely on."""
     cfg = compose_config()
@@ -110,6 +118,7 @@ def test_public_contract_keys():
     assert cfg.device == "auto" and cfg.trainer.max_steps is None
 
 
+@pytest.mark.unit
 def test_unknown_option_and_key_fail_with_hydras_message():
     with pytest.raises(MissingConfigException, match="Could not find 'model/resnet'"):
         compose_config("model=resnet")
@@ -124,6 +133,7 @@ def test_unknown_option_on_the_command_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.unit
 def test_every_yaml_key_has_a_comment():
     """Every key of every config file carries a one-line comment on its line."""
     key = re.compile(r"^\s*[\w.]+:(?!\S)")
@@ -142,6 +152,7 @@ def test_every_yaml_key_has_a_comment():
             assert is_section or "#" in line, f"{path.relative_to(REPO)}:{number} has no comment"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -190,6 +201,7 @@ def test_values_training_cannot_use_are_refused(override, message):
         read_settings(compose_config(*override.split()))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -206,6 +218,7 @@ def test_the_combinations_the_template_uses_pass(overrides):
     read_settings(compose_config(*overrides.split()))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("experiment", "expected"),
     [
@@ -252,6 +265,7 @@ def test_experiments_set_their_recipe(experiment, expected):
     assert compose_config(f"experiment={experiment}", "trainer.epochs=2").trainer.epochs == 2
 
 
+@pytest.mark.unit
 def test_debug_fast_and_overfit_compose():
     fast = compose_config("debug=fast")
     assert (fast.trainer.max_steps, fast.checkpoint.save, fast.logger._target_, fast.plots) == (

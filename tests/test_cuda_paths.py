@@ -18,6 +18,7 @@ from src.settings import Trainer
 from src.training import configure_kernels, warm_up
 
 
+@pytest.mark.unit
 def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
     """Read onto the GPU, Adam's `step` counters would stay there after `load_state_dict`, and
     Adam reads them with .item(): two device syncs per parameter per step. Read into CPU memory,
@@ -36,6 +37,7 @@ def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
     assert fresh.state[model.weight]["step"].device.type == "cpu"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("ids", "output", "compile", "precision", "message"),
     [
@@ -52,6 +54,7 @@ def test_data_parallel_refuses_what_it_gets_wrong(ids, output, compile, precisio
         check_data_parallel(ids, output, 4, compile, precision)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("ids", [[0], [2, 3]])
 def test_data_parallel_takes_what_it_gets_right(ids):
     check_data_parallel(ids, ids[0], 4, False, "32")
@@ -59,6 +62,7 @@ def test_data_parallel_takes_what_it_gets_right(ids):
         check_data_parallel(ids, ids[0], 4, True, "bf16")
 
 
+@pytest.mark.unit
 def test_why_dp_refuses_compile_a_replica_of_a_compiled_model_overwrites_it():
     """What DataParallel does on every forward over 2+ GPUs, done here on the CPU."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -79,6 +83,7 @@ def test_why_dp_refuses_mixed_precision_the_autocast_dtype_is_per_thread():
     assert seen == [torch.float16]
 
 
+@pytest.mark.unit
 def test_kernels_autotune_unless_deterministic_and_matmuls_follow_the_setting():
     try:
         configure_kernels(Trainer(matmul_precision="high"))
@@ -106,6 +111,7 @@ class Sizes(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.unit
 def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     """CUDA graph trees run a new graph once and record it the second time: the warm-up runs the
     full batches and the last, smaller one twice each, so recording happens before the clock."""
@@ -119,6 +125,7 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
 
 
+@pytest.mark.unit
 def test_each_ddp_rank_finds_its_gpu():
     assert [rank_gpu(r, 4, None) for r in range(4)] == [0, 1, 2, 3]
     assert rank_gpu(3, 1, "3") == 0  # a cluster showing each rank its own GPU

@@ -40,6 +40,7 @@ def mnist(root, **overrides) -> MNISTData:
     return MNISTData(**{**args, **overrides})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("gz", [False, True])
 def test_read_idx_round_trip(tmp_path, gz):
     array = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
@@ -47,6 +48,7 @@ def test_read_idx_round_trip(tmp_path, gz):
     assert torch.equal(read_idx(path), torch.from_numpy(array))
 
 
+@pytest.mark.unit
 def test_finds_flat_and_torchvision_layouts(tmp_path):
     make_dataset(tmp_path / "flat", gz=True)
     make_dataset(tmp_path / "tv" / "MNIST" / "raw", gz=False)
@@ -68,6 +70,7 @@ def test_loads_splits_onto_the_device(tmp_path):
     assert torch.allclose(x[0], (images[first].float() / 255 - 0.1307) / 0.3081)
 
 
+@pytest.mark.unit
 def test_corrupt_files_are_named(tmp_path):
     folder = make_dataset(tmp_path, gz=True)
     path = folder / "train-images-idx3-ubyte.gz"
@@ -86,6 +89,7 @@ def test_corrupt_files_are_named(tmp_path):
         read_idx(raw)
 
 
+@pytest.mark.unit
 def test_files_that_do_not_match_are_refused(tmp_path):
     folder = make_dataset(tmp_path, gz=False)
     write_idx(folder / "t10k-labels-idx1-ubyte", np.zeros(99, np.uint8))
@@ -93,11 +97,13 @@ def test_files_that_do_not_match_are_refused(tmp_path):
         mnist(folder).setup(Process())
 
 
+@pytest.mark.unit
 def test_batch_size_must_divide_over_the_ranks(tmp_path):
     with pytest.raises(UserError, match=r"data.batch_size=64 does not divide over 3 processes"):
         mnist(tmp_path).setup(Process(mode="ddp", world_size=3))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_order_is_distributed_samplers_when_counts_divide(world_size):
     """Each rank's samples are exactly those DistributedSampler gives it, in its order."""
@@ -111,6 +117,7 @@ def test_order_is_distributed_samplers_when_counts_divide(world_size):
             assert [i for b in ours for i in b] == list(theirs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_global_batches_do_not_depend_on_world_size(world_size):
     """Each epoch covers every sample once, in the same global batches for any world size."""
@@ -163,6 +170,7 @@ def test_offline_env_blocks_downloads(tmp_path):
     assert result.returncode != 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("world_size", "num_workers"), [(1, 0), (2, 0), pytest.param(2, 2, id="2-workers")]
 )
@@ -189,6 +197,7 @@ def test_torch_loader_gives_the_tensor_loaders_batches(tiny_data, world_size, nu
             assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.unit
 def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
     """201 images in batches of 4 over 4 ranks: the last batch holds 1 image, so 3 ranks get
     none; the DataLoader path must give them an empty batch, as the tensor path does."""
@@ -200,6 +209,7 @@ def test_torch_loader_handles_an_empty_share_of_the_last_batch(tmp_path):
         assert size == 1 and len(labels) == (rank == 0) and images.shape[1:] == (1, 28, 28)
 
 
+@pytest.mark.unit
 def test_unknown_loader_is_refused(tiny_data):
     with pytest.raises(UserError, match="data.loader=fast is not a loader: use tensor or torch"):
         mnist(tiny_data, loader="fast")
@@ -221,6 +231,7 @@ def positions(images: torch.Tensor) -> list[int]:
     return (pixels[:, 0] + 256 * pixels[:, 1]).tolist()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_training_and_validation_never_share_an_image(tmp_path, world_size):
     """Read back from the batches themselves: over an epoch the ranks train on every image
@@ -238,6 +249,7 @@ def test_training_and_validation_never_share_an_image(tmp_path, world_size):
     assert sorted(trained + validated) == list(range(300))
 
 
+@pytest.mark.unit
 def test_the_validation_split_depends_on_split_seed_alone(tmp_path):
     """Not on seed, the world size, the loader, data.subset or the epoch: every job of a sweep
     and every parallel mode validates on the same images."""

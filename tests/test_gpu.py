@@ -4,14 +4,17 @@ The tests marked for two GPUs wait for a machine with two or more.
 """
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, read_metrics, read_test, single_run, train
+from conftest import REPO, offline_env, ok, read_metrics, read_test, single_run, train
 from torch import nn
 
 from src import checkpoint, distributed
 from src.checkpoint import Parts, restore
+from src.data import find_idx_folder
 from src.distributed import Process
 
 pytestmark = [
@@ -120,3 +123,48 @@ def test_sync_batchnorm_converts_and_its_checkpoint_evaluates_alike(tmp_path, ti
     ok(train(evaluated, tmp_path / "none"))
     ran, alone = (read_test(single_run(tmp_path / m)) for m in ("ddp", "none"))
     assert ran["test/correct"] == alone["test/correct"]
+
+
+def test_gloo_ddp_with_two_processes_sharing_one_gpu(tmp_path, tiny_data):
+    """One GPU is enough for DDP: two gloo processes on it (a cluster showing each job one GPU),
+    training what one process trains."""
+    overrides = [f"data.root={tiny_data}", *SHORT, "data.batch_size=24"]
+    ok(train(overrides, tmp_path / "none"))
+    shared = offline_env(CUDA_VISIBLE_DEVICES="0")
+    ddp = [*overrides, "parallel=ddp", "parallel.backend=gloo"]
+    result = ok(train(ddp, tmp_path / "ddp", nproc=2, env=shared))
+    assert "backend gloo, this is rank 0 on cuda:0" in result.stdout + result.stderr
+    steps = [read_metrics(single_run(tmp_path / mode))[0] for mode in ("ddp", "none")]
+    for ours, ref in zip(*steps, strict=True):
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(("saved_on", "evaluated_on"), [("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_checkpoint_evaluates_alike_on_the_other_device(tmp_path, tiny_data, saved_on,
+                                                          evaluated_on):  # fmt: skip
+    """Saved on the GPU, evaluated on the CPU, and the reverse: the same count (the MLP in
+    float32 at full matmul precision, so the devices round alike enough to agree on every
+    image)."""
+    ok(train([f"data.root={tiny_data}", *SHORT, f"device={saved_on}"], tmp_path / "saved"))
+    last = single_run(tmp_path / "saved") / "checkpoints" / "last.pt"
+    evaluated = [f"data.root={tiny_data}", "logger=none", "train=false", f"ckpt_path={last}",
+                 f"device={evaluated_on}", "trainer.test_weights=last"]  # fmt: skip
+    ok(train(evaluated, tmp_path / "evaluated"))
+    saved = train([f"data.root={tiny_data}", "logger=none", "train=false", f"ckpt_path={last}",
+                   f"device={saved_on}"], tmp_path / "again")  # fmt: skip
+    ok(saved)
+    there, here = (read_test(single_run(tmp_path / d)) for d in ("again", "evaluated"))
+    assert there["test/correct"] == here["test/correct"]
+    assert math.isclose(there["test/loss"], here["test/loss"], rel_tol=1e-4)
+
+
+def test_the_fast_recipe_reaches_its_accuracy_on_fashion_mnist(tmp_path):
+    """experiment=fashion_cnn_fast as the README shows it, on the real Fashion-MNIST (FASHION_MNIST,
+    else .devdata/fashion-mnist or Debian's folder): the 0.91 it aims at."""
+    roots = [os.environ.get("FASHION_MNIST"), REPO / ".devdata" / "fashion-mnist",
+             "/usr/share/datasets/fashion-mnist"]  # fmt: skip
+    root = next((Path(r) for r in roots if r and find_idx_folder(Path(r), "FashionMNIST")), None)
+    if root is None:
+        pytest.skip("needs Fashion-MNIST: set FASHION_MNIST to a folder of its four IDX files")
+    ok(train(["experiment=fashion_cnn_fast", f"data.root={root}", "logger=none"], tmp_path))
+    assert read_test(single_run(tmp_path))["test/acc"] >= 0.91

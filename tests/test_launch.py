@@ -252,6 +252,7 @@ def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, 
     assert printed(result).count(legacy) == int(launcher == "torch.distributed.launch")
 
 
+@pytest.mark.unit
 def test_slurm_launcher_config_composes():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(
@@ -329,6 +330,7 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
     assert read_metrics(tmp_path / "run")[1], "the job trained and evaluated"
 
 
+@pytest.mark.unit
 def test_a_function_workers_could_not_import_is_refused_before_any_process_starts():
     from src.launch import importable_name
     from src.run import train as run_train

@@ -9,6 +9,7 @@ from src.logger import wandb_mode
 DEFAULT = wandb.Settings().base_url
 
 
+@pytest.mark.unit
 def test_mode_setting_then_variable_then_api_key(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

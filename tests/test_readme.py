@@ -26,6 +26,7 @@ RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distribu
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py")
 
 
+@pytest.mark.unit
 def test_readme_commands_are_all_known():
     """A command the README shows is either run below or by .ci/run."""
     commands = readme_commands()
@@ -111,6 +112,7 @@ def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_dat
     assert "DDP: 4 processes" in "".join(outputs)
 
 
+@pytest.mark.unit
 def test_readme_slurm_command_composes():
     """Without a SLURM cluster, the SLURM command is composed (the sweep values picked)."""
     (command,) = SLURM
@@ -128,6 +130,7 @@ def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
     assert (tmp_path / "outputs" / "my-run" / "checkpoints" / "best.pt").is_file()
 
 
+@pytest.mark.unit
 def test_every_test_the_fault_table_names_exists():
     """docs/faults.md names, for each fault, the test that injects it: each one is a real test."""
     named = set(re.findall(r"`(test_\w+)`", (REPO / "docs" / "faults.md").read_text()))

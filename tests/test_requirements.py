@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import pytest
 from conftest import REPO
 from packaging.utils import canonicalize_name
 
@@ -12,6 +13,7 @@ spec.loader.exec_module(lock)
 REQUIREMENTS = [r for name in lock.REQUIREMENTS for r in lock.read_requirements(REPO / name)]
 
 
+@pytest.mark.unit
 def test_the_lock_pins_every_requirement_to_a_version_it_allows():
     pinned = lock.read_lock(lock.LOCK)
     lines = [line for line in lock.LOCK.read_text().splitlines() if not line.startswith("#")]
@@ -22,6 +24,7 @@ def test_the_lock_pins_every_requirement_to_a_version_it_allows():
         assert requirement.specifier.contains(version, prereleases=True), (requirement, version)
 
 
+@pytest.mark.unit
 def test_the_lock_is_what_this_environment_holds_for_the_requirements(tmp_path):
     """Written from the installed packages' metadata: the requirements and all they need."""
     pinned = lock.installed_closure(REQUIREMENTS)

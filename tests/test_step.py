@@ -48,6 +48,7 @@ def weights_after_step(images, labels, global_size, **trainer) -> list[torch.Ten
     return [p.detach().clone() for p in trained.model.parameters()]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("size", [24, 10])  # 10 images in 4 micro-batches: 3, 3, 2 and 2
 def test_accumulated_micro_batches_step_by_the_mean_gradient(size):
     images, labels = batch(size)
@@ -58,6 +59,7 @@ def test_accumulated_micro_batches_step_by_the_mean_gradient(size):
             torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_uneven_shares_of_two_ranks_add_up_to_the_global_mean():
     """A last batch of 7 over two ranks (4 and 3 images), each in micro-batches: the ranks'
     gradients, averaged as DDP averages them, are the gradient of the mean over all 7."""
@@ -76,6 +78,7 @@ def test_uneven_shares_of_two_ranks_add_up_to_the_global_mean():
         torch.testing.assert_close((rank0 + rank1) / 2, p.grad, rtol=0, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
     trained, (images, labels) = parts(), batch(16)
     before = [p.detach().clone() for p in trained.model.parameters()]
@@ -86,6 +89,7 @@ def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
     assert math.isclose(torch.nn.utils.get_total_norm(moved).item(), 0.01, rel_tol=1e-4)
 
 
+@pytest.mark.unit
 def test_the_norm_is_measured_without_clipping_only_when_asked():
     images, labels = batch(16)
     assert train_step(parts(), images, labels, 16, Process(), Trainer())[1] is None
@@ -97,6 +101,7 @@ def watch(checkpointer=None) -> Watch:
     return Watch(Process(), Trainer(), None, StopSignals(), checkpointer)
 
 
+@pytest.mark.unit
 def test_float16_steps_the_scaler_skips_are_not_errors():
     """A loss scale so large that the scaled gradients overflow: the scaler skips the steps and
     lowers the scale, the loss itself stays finite, and the watch lets training go on."""
@@ -111,6 +116,7 @@ def test_float16_steps_the_scaler_skips_are_not_errors():
     assert math.isfinite(looking.check(None, trained.model))
 
 
+@pytest.mark.unit
 def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
     checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), parts(), {}, None)
     looking = watch(checkpointer)
@@ -125,6 +131,7 @@ def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
         looking.check(None)
 
 
+@pytest.mark.unit
 def test_non_finite_weights_are_never_saved(tmp_path):
     trained = parts()
     checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), trained, {}, None)
@@ -135,6 +142,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     assert not checkpointer.last.exists()
 
 
+@pytest.mark.unit
 def test_accumulation_that_leaves_a_micro_batch_empty_is_refused():
     check_accumulation(Trainer(accumulate_grad_batches=8), batch_size=32, world_size=4)
     with pytest.raises(UserError, match="Use at most 8, or a larger data.batch_size"):
@@ -224,6 +232,7 @@ def test_sync_batchnorm_trains_on_gpus(tmp_path, tiny_data):
     assert read_metrics(run_dir)[1], result.stdout
 
 
+@pytest.mark.unit
 def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
     """A run saved at precision 32 or bf16 holds "scaler": {}; resumed with precision=16, the
     enabled scaler starts from its initial scale instead of refusing the empty state."""

@@ -110,6 +110,7 @@ def file_size_limit(size: int):
 # In-process units: the atomic write, the metrics line, the messages.
 
 
+@pytest.mark.unit
 def test_a_refused_write_leaves_the_old_file_whole_and_nothing_partial(tmp_path):
     path = tmp_path / "last.pt"
     path.write_bytes(b"old")
@@ -120,6 +121,7 @@ def test_a_refused_write_leaves_the_old_file_whole_and_nothing_partial(tmp_path)
     assert storage.Fault.of(refused.value) == (str(path), errno.EFBIG, "File too large")
 
 
+@pytest.mark.unit
 def test_a_refused_metrics_line_is_taken_back_whole(tmp_path):
     logger = MetricsLogger(tmp_path)
     logger.log({"step": 1, "train/loss": 1.5})
@@ -132,6 +134,7 @@ def test_a_refused_metrics_line_is_taken_back_whole(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == kept
 
 
+@pytest.mark.unit
 def test_metrics_of_a_moved_run_folder_are_a_fault_not_lost_lines(tmp_path):
     (tmp_path / "run").mkdir()
     logger = MetricsLogger(tmp_path / "run")
@@ -147,6 +150,7 @@ def test_metrics_of_a_moved_run_folder_are_a_fault_not_lost_lines(tmp_path):
     logger.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("code", "says"),
     [
@@ -186,6 +190,7 @@ def test_a_data_folder_that_cannot_be_written_is_named_with_what_to_set(small_di
     assert "(Read-only file system)" in str(refused.value)
 
 
+@pytest.mark.unit
 def test_a_torn_last_line_of_metrics_is_left_out_on_resume(tmp_path):
     """A run killed while writing a line: the resumed run keeps the whole lines up to its
     checkpoint's step and writes its file afresh from them."""
@@ -267,6 +272,7 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
     assert_same_training(run_dir, reference)
 
 
+@pytest.mark.unit
 def test_a_refused_picture_leaves_nothing_partial(tmp_path):
     records = [{"step": 1, "epoch": 1, "train/loss": 2.0}]
     with file_size_limit(1000), pytest.raises(OSError) as refused:

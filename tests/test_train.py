@@ -218,6 +218,7 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert result.stdout.count("Sweep summary") == 1  # printed also when a job failed
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("mode", "order"), [("max", [2, 0, 1, 3]), ("min", [1, 0, 2, 3])])
 def test_sweep_summary_ranks_jobs_by_the_monitor_never_by_the_test(tmp_path, mode, order):
     """summary.csv: the best value of checkpoint.monitor first, as its mode says; a job without
