@@ -87,6 +87,7 @@ EARLY_STOPPING = ["data.batch_size=8", "optimizer.lr=0.001", "trainer.epochs=12"
                   "trainer.early_stopping_patience=2"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_early_stopping_and_its_counter_survive_a_resume(tmp_path, tiny_data):
     """The first launch ends after epoch 6, one validation into the patience; the resumed run
     must stop after epoch 7, as the uninterrupted one does, not count afresh."""
@@ -107,6 +108,7 @@ def test_early_stopping_and_its_counter_survive_a_resume(tmp_path, tiny_data):
     assert read_test(parts)["test/acc"] == read_test(whole)["test/acc"]
 
 
+@pytest.mark.slow
 def test_resuming_a_file_from_another_folder_brings_its_best_pt_along(tmp_path, tiny_data):
     """resume=PATH in a new run folder: the best.pt beside PATH comes too, so the new run tests
     the epoch its record names; without one, the record starts afresh (and says so)."""
@@ -206,6 +208,7 @@ def worker_pids(agent: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folder(
     tmp_path, tiny_data
 ):

@@ -58,6 +58,13 @@ MODES = {
     "none-accumulate4": (["trainer.accumulate_grad_batches=4"], None),
     "ddp2-accumulate2": (["parallel=ddp", "trainer.accumulate_grad_batches=2"], 2),
 }
+# Four self-launched processes on 2 cores is the slowest case, and ddp4 under torchrun shows the
+# same sums: it runs with the slow tests.
+COMPARED = [
+    pytest.param(m, marks=pytest.mark.slow) if m == "ddp4-self-launched" else m
+    for m in MODES
+    if m != "none"
+]
 # float32 sums taken in another order differ in the last bits. Measured on CPU over these 27 steps:
 # losses within 1.4e-7 relative, weights within 7.5e-8 (2.7e-7 of the largest weight). The bounds
 # leave 10x room; a real difference (a skipped sample, an unscaled partial batch) is far larger.
@@ -94,7 +101,7 @@ def runs(tmp_path_factory, tiny_data):
     return Runs(tmp_path_factory, tiny_data)
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])
+@pytest.mark.parametrize("mode", COMPARED)
 def test_same_losses_step_by_step(runs, mode):
     ref_steps, ref_evals, _ = runs["none"]
     steps, evals, _ = runs[mode]
@@ -115,7 +122,7 @@ def test_same_losses_step_by_step(runs, mode):
         assert ours.get("test/weights_epoch") == ref.get("test/weights_epoch")
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])
+@pytest.mark.parametrize("mode", COMPARED)
 def test_same_final_weights(runs, mode):
     reference, ours = runs["none"][2]["model"], runs[mode][2]["model"]
     assert list(ours) == list(reference)  # no "module." prefix, whatever the mode

@@ -43,6 +43,7 @@ def printed(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
     env = offline_env(HOME=str(tmp_path / "home"))
     result = train(

@@ -23,6 +23,8 @@ from conftest import (
 from hydra import compose, initialize_config_dir
 
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
+SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_per_node=4",
+                 "torch.distributed.launch")  # fmt: skip
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py")
 
 
@@ -68,10 +70,9 @@ SPECIAL = SEQUENCE + MACHINES + SLURM
 @pytest.mark.parametrize(
     "command",
     [
-        # Self-launched DDP, searches and compiling are slow here; other tests cover them too.
-        pytest.param(c, marks=pytest.mark.slow)
-        if any(s in c for s in ("parallel.nproc_per_node", "hparams_search", "_fast"))
-        else c
+        # Self-launched DDP, 4 processes, the legacy launcher, searches and compiling are slow
+        # here; other tests cover them too.
+        pytest.param(c, marks=pytest.mark.slow) if any(s in c for s in SLOW_COMMANDS) else c
         for c in readme_commands()
         if c.startswith(RUNS) and c not in SPECIAL
     ],

@@ -308,6 +308,7 @@ def test_a_file_size_limit_stops_the_first_save_and_the_run_starts_again(
     assert_same_training(run_dir, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_checkpoints_folder_made_read_only_stops_and_the_run_continues_elsewhere(
     tmp_path, tiny_data, small_disk, uninterrupted
 ):

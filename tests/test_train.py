@@ -326,6 +326,7 @@ def without_timings(lines):
     return [m for m in lines if not any(key.startswith(("time/", "memory/")) for key in m)]
 
 
+@pytest.mark.slow
 def test_warm_up_steps_are_undone(tmp_path, tiny_data):
     """Dropout, Adam's moments, a step-wise schedule: training after the warm-up is the same, to
     the last bit, as training without one; the warm-up's time is logged apart."""
