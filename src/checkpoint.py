@@ -266,6 +266,11 @@ def save(
     return storage.agree(process, fault)
 
 
+def _copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    storage.copy_atomically(source, target)
+
+
 def _write(path: Path, state: dict[str, Any]) -> None:
     # Not parents=True: a run folder deleted during the run is reported, not made anew.
     path.parent.mkdir(exist_ok=True)
@@ -306,8 +311,7 @@ def _best_pt_beside(
     if process.is_main:
         source = resumed[0].parent / "best.pt"
         if source.is_file() and source.resolve() != target.resolve():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fault = storage.attempt(lambda: storage.copy_atomically(source, target))
+            fault = storage.attempt(lambda: _copy(source, target), target)
         found = target.is_file()
         if not found:
             log.warning(

@@ -92,8 +92,7 @@ def download_with_torchvision(root: Path, torchvision_class: str) -> None:
     file for the next run to read."""
     import torchvision  # slow to import, and only needed here
 
-    staging = root / f".{torchvision_class}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{torchvision_class}."))  # one per process
     try:
         getattr(torchvision.datasets, torchvision_class)(str(staging), train=True, download=True)
         target = root / torchvision_class / "raw"
@@ -116,13 +115,13 @@ def unwritable(folder: Path) -> str | None:
 
 def download_failed(err: Exception, root: Path) -> str:
     """Why a download failed, in a few words; a full disk stops the run with its own message."""
-    fault = isinstance(err, OSError) and storage.Fault.of(err)
+    fault = isinstance(err, OSError) and storage.Fault.of(err, root)
     if fault and fault.errno in storage.FULL:
         reason, fix = storage.FULL[fault.errno]
         raise UserError(
             f"The download into {root} stopped: {reason} ({fault.strerror}). The partial "
-            f"download is removed. {fix} (the dataset takes about 70 MB there), or set data.root "
-            "to a folder with room."
+            f"download is removed. {fix}, or set data.root to a folder with room: the dataset "
+            "takes about 70 MB."
         ) from None
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
     return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"

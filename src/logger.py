@@ -11,7 +11,7 @@ import json
 import logging
 import netrc
 import os
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,7 +60,8 @@ class MetricsLogger:
             while data:  # an unbuffered write may take part of the line
                 data = data[self.file.write(data) :]
         except OSError:
-            os.ftruncate(self.file.fileno(), end)  # no torn line: what was logged reads back whole
+            with suppress(OSError):  # no torn line: what was logged reads back whole
+                os.ftruncate(self.file.fileno(), end)
             raise
 
     def log_images(self, paths: list[Path]) -> None:

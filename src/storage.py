@@ -37,19 +37,20 @@ GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
 
 
 class Fault(NamedTuple):
-    """A write the storage refused: the file, the error number and the system's words for it.
-    Plain values, so that ranks can gather it."""
+    """A write the storage refused: the file, the error number, the system's words for it, and
+    whether the file's folder was still there. Plain values, decided where the write failed, so
+    that ranks can gather it and every rank tells the same story."""
 
     path: str
     errno: int
     strerror: str
+    folder_exists: bool = True
 
     @classmethod
-    def of(cls, err: OSError, path: Path | None = None) -> Fault | None:
-        """The fault `err` is, writing `path` (else the file it names); None if it is not the
-        storage's refusal but a bug."""
-        known = err.errno in FULL or err.errno in READ_ONLY or err.errno in GONE
-        return cls(str(path or err.filename), err.errno, err.strerror or "") if known else None
+    def of(cls, err: OSError, path: Path | None = None) -> Fault:
+        """The fault `err` is, writing `path` (else the file it names)."""
+        path = Path(path or err.filename or "?")
+        return cls(str(path), err.errno or 0, err.strerror or str(err), path.parent.is_dir())
 
 
 class StorageFull(UserError):
@@ -59,41 +60,55 @@ class StorageFull(UserError):
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `path` with `write(file)`: into a partial file beside it, flushed to the disk, then
-    renamed over `path`. On any failure the partial file is removed and `path` is as it was."""
-    partial = path.with_name(f".{path.name}.partial")
+    renamed over `path`, and the rename flushed too. On any failure the partial file is removed
+    and `path` is as it was. The folder is held open throughout, so a folder moved meanwhile gets
+    the whole file, or nothing, where it now is."""
+    partial, folder = f".{path.name}.partial", None
     try:
-        with open(partial, "wb") as file:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with open(os.open(partial, flags, 0o666, dir_fd=folder), "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())  # network file systems report a full disk here, if not before
-        os.replace(partial, path)
+        os.replace(partial, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        os.fsync(folder)  # the rename, on the disk: a crash now leaves the new file, not none
     except BaseException as err:
-        with suppress(OSError):
-            partial.unlink(missing_ok=True)
+        if folder is not None:
+            with suppress(OSError):
+                os.unlink(partial, dir_fd=folder)
         refused = _os_error(err)
         if refused is None:
             raise
         refused.filename, refused.filename2 = str(path), None  # the file meant, not its partial
         raise refused from None
+    finally:
+        if folder is not None:
+            os.close(folder)
 
 
-def _os_error(err: BaseException | None) -> OSError | None:
-    """The OSError behind `err`: itself, or the one it was raised while handling (torch.save's
-    writer raises a RuntimeError of its own when it closes a file whose write failed)."""
-    while err is not None and not isinstance(err, OSError):
-        err = err.__context__
-    return err
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError `err` is, or the one behind it: torch.save's writer raises a RuntimeError of
+    its own when it closes a file whose write failed."""
+    if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
+        return err.__context__
+    return err if isinstance(err, OSError) else None
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """Copy `source` to `target` as `write_atomically` writes it."""
+    with open(source, "rb") as file:
+        write_atomically(target, lambda out: shutil.copyfileobj(file, out))
 
 
 def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | None:
-    """Run `write`; the storage's refusal of it as a Fault (of `path`, else the file the error
-    names), None if it succeeded. Other errors are bugs and raise."""
+    """Run `write`; what the storage refused of it as a Fault (of `path`, else the file the error
+    names), None if it succeeded. Any OSError counts (an NFS server's EIO too), so that a write
+    of the main process never fails on it alone while the other ranks wait."""
     try:
         write()
     except OSError as err:
-        if fault := Fault.of(err, path):
-            return fault
-        raise
+        return Fault.of(err, path)
     return None
 
 
@@ -103,12 +118,6 @@ def agree(process: Process, fault: Fault | None) -> Fault | None:
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
-def copy_atomically(source: Path, target: Path) -> None:
-    """Copy `source` to `target` as `write_atomically` writes it."""
-    with open(source, "rb") as file:
-        write_atomically(target, lambda out: shutil.copyfileobj(file, out))
-
-
 def stopped(
     fault: Fault, run_dir: Path, step: int | None, kept: tuple[Path, int] | None
 ) -> StorageFull:
@@ -116,13 +125,14 @@ def stopped(
     checkpoint written, and its step), and the command that resumes once the cause is gone."""
     at = "" if step is None else f" at step {step}"
     resume = f"run the same command with hydra.run.dir={run_dir}"
-    if not run_dir.is_dir():
-        from_ = f" from its checkpoints/last.pt (step {kept[1]})" if kept else ""
+    path = Path(fault.path)
+    if not fault.folder_exists and run_dir in (path.parent, path.parent.parent):
+        from_ = f" from its {_within(kept[0], run_dir)} (step {kept[1]})" if kept else ""
         return StorageFull(
             f"Stopped{at}: the run folder {run_dir} was deleted or moved during the run, so "
-            f"{_within(Path(fault.path), run_dir)} could not be written. If it was moved, run the "
-            f"same command with hydra.run.dir=<its new place> to resume{from_}; if it was "
-            "deleted, start again."
+            f"{_within(path, run_dir)} could not be written. If it was moved, run the same "
+            f"command with hydra.run.dir=<its new place> to resume{from_}; if it was deleted, "
+            "start again."
         )
     if kept:
         intact = f"{_within(kept[0], run_dir)} from step {kept[1]} is intact"
@@ -134,12 +144,18 @@ def stopped(
         reason, fix = FULL[fault.errno]
         fix = f"{fix}, then {resume}"
     elif fault.errno in READ_ONLY:
-        reason, folder = READ_ONLY[fault.errno], Path(fault.path).parent
-        fix = f"Make {folder} writable, then {resume}"
+        reason = READ_ONLY[fault.errno]
+        fix = f"Make {path.parent} writable, then {resume}"
         if kept:
             fix += f"; or continue elsewhere: resume={kept[0]} hydra.run.dir=<a writable folder>"
+    elif fault.errno in GONE:
+        reason = "it was deleted during the run" if fault.folder_exists else "its folder is gone"
+        fix = f"Make sure nothing else deletes files in {run_dir}, then {resume}"
     else:
-        reason, fix = "its folder is missing", f"Recreate {Path(fault.path).parent}, then {resume}"
+        reason, fix = (
+            "the storage reported an error",
+            f"Check the disk of {path.parent}, then {resume}",
+        )
     return StorageFull(
         f"Stopped{at}: {fault.path} could not be written: {reason} ({fault.strerror}). "
         f"Nothing partial is left, and {intact}. {fix}."

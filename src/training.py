@@ -185,6 +185,7 @@ def fit(
                     progress.about,
                 )
             log_speed(speed, progress, logger)
+            watch.check(progress)  # metrics.jsonl took those lines: checked before a save
             checkpointer.epoch_done(progress)
             if watch.stop:
                 stop_now(process, checkpointer, progress.step)

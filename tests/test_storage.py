@@ -15,6 +15,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import threading
 from contextlib import contextmanager
@@ -30,10 +31,10 @@ from conftest import (
     load,
     ok,
     printed,
-    start,
     train,
     wait_for,
 )
+from conftest import start as start_run
 from hydra.utils import instantiate
 
 from src import plots, storage
@@ -59,6 +60,24 @@ def small_disk(tmp_path):
         pytest.skip("mounting a file system needs root (or CAP_SYS_ADMIN)")
     yield point
     subprocess.run(["umount", "-R", "-l", str(point)], check=True)
+
+
+@pytest.fixture
+def start():
+    """`conftest.start`, each run in a session of its own, killed with its workers at the end of
+    the test if it is still running (a test that fails leaves no training behind)."""
+    started = []
+
+    def start_and_track(*args, **kwargs) -> subprocess.Popen:
+        process = start_run(*args, start_new_session=True, **kwargs)
+        started.append(process)
+        return process
+
+    yield start_and_track
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +137,7 @@ def test_a_refused_write_leaves_the_old_file_whole_and_nothing_partial(tmp_path)
         storage.write_atomically(path, lambda file: file.write(b"x" * 5000))
     assert (refused.value.errno, refused.value.filename) == (errno.EFBIG, str(path))
     assert path.read_bytes() == b"old" and not partial_files(tmp_path)
-    assert storage.Fault.of(refused.value) == (str(path), errno.EFBIG, "File too large")
+    assert storage.Fault.of(refused.value) == (str(path), errno.EFBIG, "File too large", True)
 
 
 @pytest.mark.unit
@@ -128,7 +147,7 @@ def test_a_refused_metrics_line_is_taken_back_whole(tmp_path):
     kept = (tmp_path / "metrics.jsonl").read_text()
     with file_size_limit(len(kept) + 10):  # the next line gets 10 of its bytes in, then EFBIG
         logger.log({"step": 2, "train/loss": 1.25, "lr": 0.01})
-    assert logger.fault == (str(tmp_path / "metrics.jsonl"), errno.EFBIG, "File too large")
+    assert logger.fault == (str(tmp_path / "metrics.jsonl"), errno.EFBIG, "File too large", True)
     logger.log({"step": 3, "train/loss": 1.0})  # nothing more is written
     logger.close()
     assert (tmp_path / "metrics.jsonl").read_text() == kept
@@ -228,8 +247,8 @@ def test_a_download_onto_a_full_disk_leaves_nothing_partial(tmp_path, small_disk
         server.shutdown()
     assert str(refused.value) == (
         f"The download into {small_disk} stopped: the disk is full (No space left on device). "
-        "The partial download is removed. Free space on that disk (the dataset takes about "
-        "70 MB there), or set data.root to a folder with room."
+        "The partial download is removed. Free space on that disk, or set data.root to a folder "
+        "with room: the dataset takes about 70 MB."
     )
     assert list(small_disk.iterdir()) == []
 
@@ -243,7 +262,7 @@ class QuietHandler(SimpleHTTPRequestHandler):
 
 
 def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_freed(
-    tmp_path, tiny_data, small_disk
+    start, tmp_path, tiny_data, small_disk
 ):
     """The issue's 3 a.m. case on 4 MB: last.pt of step 2 and best.pt of step 4 (1.7 MB each)
     fit, the copy of best.pt to last.pt beside them does not. Both ranks stop together, no
@@ -252,8 +271,7 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
     common = [f"data.root={tiny_data}", *RUN, "trainer.epochs=3", "checkpoint.every_n_steps=2",
               "parallel=ddp", "parallel.nproc_per_node=2", "device=cpu"]  # fmt: skip
     run_dir = small_disk / "run"
-    process = start([*common, f"hydra.run.dir={run_dir}"], tmp_path / "full",
-                    start_new_session=True)  # fmt: skip
+    process = start([*common, f"hydra.run.dir={run_dir}"], tmp_path / "full")
     assert process.wait(timeout=120) != 0
     wait_for(lambda: not running_in_group(process.pid), None, timeout=10)  # nothing outlives it
     assert stop_message((tmp_path / "full" / "log").read_text()) == (
@@ -277,11 +295,8 @@ def test_a_refused_picture_leaves_nothing_partial(tmp_path):
     records = [{"step": 1, "epoch": 1, "train/loss": 2.0}]
     with file_size_limit(1000), pytest.raises(OSError) as refused:
         plots.curves(records, tmp_path / "curves.png")
-    assert storage.Fault.of(refused.value) == (
-        str(tmp_path / "curves.png"),
-        errno.EFBIG,
-        "File too large",
-    )
+    fault = storage.Fault.of(refused.value)
+    assert fault == (str(tmp_path / "curves.png"), errno.EFBIG, "File too large", True)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -290,7 +305,7 @@ def limit_files_to_1_mb() -> None:
 
 
 def test_a_file_size_limit_stops_the_first_save_and_the_run_starts_again(
-    tmp_path, tiny_data, uninterrupted
+    start, tmp_path, tiny_data, uninterrupted
 ):
     """1 MB per file (`ulimit -f 1024`): the first checkpoint (1.7 MB) is refused."""
     run_dir, overrides = tmp_path / "run", [f"data.root={tiny_data}", *LONG]
@@ -310,7 +325,7 @@ def test_a_file_size_limit_stops_the_first_save_and_the_run_starts_again(
 
 @pytest.mark.slow
 def test_a_checkpoints_folder_made_read_only_stops_and_the_run_continues_elsewhere(
-    tmp_path, tiny_data, small_disk, uninterrupted
+    start, tmp_path, tiny_data, small_disk, uninterrupted
 ):
     assert mount("-o", "remount,size=64m", str(small_disk)).returncode == 0
     run_dir, overrides = small_disk / "run", [f"data.root={tiny_data}", *LONG]
@@ -318,8 +333,9 @@ def test_a_checkpoints_folder_made_read_only_stops_and_the_run_continues_elsewhe
     process = start([*overrides, f"hydra.run.dir={run_dir}"], tmp_path / "first")
     wait_for(lambda: (checkpoints / "last.pt").exists(), process)
     assert mount("--bind", str(checkpoints), str(checkpoints)).returncode == 0
-    while mount("-o", "remount,bind,ro", str(checkpoints)).returncode:  # busy while a save writes
-        assert process.poll() is None
+    wait_for(  # the remount is refused while a save is writing there: try again
+        lambda: mount("-o", "remount,bind,ro", str(checkpoints)).returncode == 0, process, 30
+    )
     assert process.wait(timeout=120) != 0
     message = stop_message((tmp_path / "first" / "log").read_text())
     step = int(re.search(r"last\.pt from step (\d+) is intact", message).group(1))
@@ -338,7 +354,7 @@ def test_a_checkpoints_folder_made_read_only_stops_and_the_run_continues_elsewhe
 
 
 def test_a_run_folder_moved_during_the_run_stops_and_resumes_from_its_new_place(
-    tmp_path, tiny_data, uninterrupted
+    start, tmp_path, tiny_data, uninterrupted
 ):
     run_dir, moved = tmp_path / "run", tmp_path / "moved"
     overrides = [f"data.root={tiny_data}", *LONG]
