@@ -195,10 +195,7 @@ class Checkpointer:
         """Write `path` (a copy of the checkpoint `copy_of`, if given); stop every rank, with what
         is intact, if the storage refuses it."""
         if copy_of:
-            fault = self.process.is_main and storage.attempt(
-                lambda: storage.copy_atomically(copy_of, path)
-            )
-            fault = storage.agree(self.process, fault or None)
+            fault = storage.on_main(self.process, lambda: storage.copy_atomically(copy_of, path))
         else:
             fault = save(path, self.process, self.parts, progress, self.config, self.wandb_id)
         if fault:
@@ -246,8 +243,9 @@ def save(
     main process. The file is written beside its final name and renamed over it, so a kill
     during the write, or a refused one, leaves the previous checkpoint whole.
     """
-    rng, fault = process.all_gather_object(rng_state()), None
-    if process.is_main:
+    rng = process.all_gather_object(rng_state())
+
+    def write() -> None:
         state = {
             "model": unwrap(parts.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
@@ -262,19 +260,16 @@ def save(
             "wandb_id": wandb_id,
             "metrics": progress.metrics,
         }
-        fault = storage.attempt(lambda: _write(path, state), path)
-    return storage.agree(process, fault)
+        # Not parents=True: a run folder deleted during the run is reported, not made anew.
+        path.parent.mkdir(exist_ok=True)
+        storage.write_atomically(path, lambda file: torch.save(state, file))
+
+    return storage.on_main(process, write, path)
 
 
 def _copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     storage.copy_atomically(source, target)
-
-
-def _write(path: Path, state: dict[str, Any]) -> None:
-    # Not parents=True: a run folder deleted during the run is reported, not made anew.
-    path.parent.mkdir(exist_ok=True)
-    storage.write_atomically(path, lambda file: torch.save(state, file))
 
 
 def find_resume(cfg: DictConfig, run_dir: Path, process: Process) -> tuple[Path, dict] | None:

@@ -115,11 +115,10 @@ def unwritable(folder: Path) -> str | None:
 
 def download_failed(err: Exception, root: Path) -> str:
     """Why a download failed, in a few words; a full disk stops the run with its own message."""
-    fault = isinstance(err, OSError) and storage.Fault.of(err, root)
-    if fault and fault.errno in storage.FULL:
-        reason, fix = storage.FULL[fault.errno]
+    if isinstance(err, OSError) and err.errno in storage.FULL:
+        reason, fix = storage.FULL[err.errno]
         raise UserError(
-            f"The download into {root} stopped: {reason} ({fault.strerror}). The partial "
+            f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
             f"download is removed. {fix}, or set data.root to a folder with room: the dataset "
             "takes about 70 MB."
         ) from None

@@ -39,11 +39,11 @@ class MetricsLogger:
     ):
         self.path, self.tracker, self.file = run_dir / "metrics.jsonl", tracker, None
         lines = "".join(json.dumps(record) + "\n" for record in history).encode()
-        self.fault = storage.attempt(
-            lambda: storage.write_atomically(self.path, lambda file: file.write(lines))
-        )
-        if not self.fault:
-            self.file = self.path.open("ab", buffering=0)  # each line reaches the file at once
+        self.fault = storage.attempt(lambda: self._start(lines), self.path)
+
+    def _start(self, lines: bytes) -> None:
+        storage.write_atomically(self.path, lambda file: file.write(lines))
+        self.file = self.path.open("ab", buffering=0)  # each line reaches the file at once
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.fault:

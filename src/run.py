@@ -106,15 +106,14 @@ def write_config(
 ) -> None:
     """Log the resolved config and write it to `config_resolved.yaml` (the main process); every
     rank stops if the storage refuses it."""
-    unwritten = None
-    if process.is_main:
+    path = run_dir / "config_resolved.yaml"
+
+    def write() -> None:
         text = OmegaConf.to_yaml(config)
         log.info("Config:\n%s", text)
-        path = run_dir / "config_resolved.yaml"
-        unwritten = storage.attempt(
-            lambda: storage.write_atomically(path, lambda file: file.write(text.encode()))
-        )
-    if unwritten := storage.agree(process, unwritten):
+        storage.write_atomically(path, lambda file: file.write(text.encode()))
+
+    if unwritten := storage.on_main(process, write):
         raise storage.stopped(unwritten, run_dir, None, kept)
 
 

@@ -112,6 +112,14 @@ def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | No
     return None
 
 
+def on_main(
+    process: Process, write: Callable[[], object], path: Path | None = None
+) -> Fault | None:
+    """`write` on the main process; what the storage refused of it, on every rank (`attempt`,
+    then `agree`: also a barrier)."""
+    return agree(process, attempt(write, path) if process.is_main else None)
+
+
 def agree(process: Process, fault: Fault | None) -> Fault | None:
     """The first rank's fault, on every rank, so that all of them stop together (one collective,
     which is also a barrier)."""
