@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from src.data import FILES, GlobalBatchSampler, find_file, find_idx_folder, read_idx  # noqa: E402
+from src.data import GlobalBatchSampler  # noqa: E402
+from src.datasets import IDX_FILES, find_file, find_idx_folder, read_idx  # noqa: E402
 
 
 def recipe(model: str) -> tuple[torch.nn.Module, float, float, int]:
@@ -69,8 +70,8 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
 
     folder = find_idx_folder(Path(args.root), "FashionMNIST")
-    images = read_idx(find_file(folder, FILES["train"][0])).unsqueeze(1).to(device)
-    labels = read_idx(find_file(folder, FILES["train"][1])).long().to(device)
+    images = read_idx(find_file(folder, IDX_FILES["train"][0])).unsqueeze(1).to(device)
+    labels = read_idx(find_file(folder, IDX_FILES["train"][1])).long().to(device)
     model, mean, std, seed = recipe(args.model)
     model = model.to(device)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format

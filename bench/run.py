@@ -7,6 +7,7 @@ same tensors (bench/bare.py), the ceiling the template's own overhead is measure
     python bench/run.py --repeats 1            # one run of each instead of the fastest of three
     python bench/run.py --models cnn --batch-size 1024 --fast   # the GPU recipe
     python bench/run.py --processes 2 --loaders tensor --accumulate 1 4   # 4 micro-batches a step
+    python bench/run.py --image-folder data/fashion-png --loaders torch tensor   # PNG files
 
 Prints the table, and writes results.csv, table.md and images_per_s.png into
 bench/results/<date-time>/. Recipe: global batch 64 (--batch-size), SGD lr 0.01, one epoch;
@@ -98,8 +99,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
             *launcher,
             str(ROOT / "train.py"),
             f"model={row['model']}",
-            "data=fashion_mnist",
-            f"data.root={args.root}",
+            *data_overrides(args),
             f"data.batch_size={args.batch_size}",
             "data.val_size=0",  # all 60,000 training images, as the bare loop trains on
             "logger=none",
@@ -120,12 +120,26 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
     return next(line for line in lines if "time/images_per_s" in line)
 
 
+def data_overrides(args: argparse.Namespace) -> list[str]:
+    """Fashion-MNIST's IDX files, or (--image-folder) the same images as a folder of PNG files."""
+    if args.image_folder:
+        # The training set's own mean and std, as given for the IDX files: not computed per run.
+        return ["data=image_folder", f"data.root={args.image_folder}", "data.in_channels=1",
+                "data.mean=[0.2860]", "data.std=[0.3530]"]  # fmt: skip
+    return ["data=fashion_mnist", f"data.root={args.root}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--root",
         default="/usr/share/datasets/fashion-mnist",
         help="folder with the Fashion-MNIST IDX files",
+    )
+    parser.add_argument(
+        "--image-folder",
+        type=Path,
+        help="read this image folder (bench/write_image_folder.py) instead of the IDX files",
     )
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
     parser.add_argument(

@@ -1,12 +1,16 @@
-"""MNIST-style data: find (or download) the four IDX files, hold each split in memory, batch it.
+"""The data in memory, batched for this process: the same way for every dataset.
 
-Three splits: `train` and `val` (`data.val_size` images held out of the training files by a draw
-that depends on `data.split_seed` alone), and `test` (the test files), evaluated once at the end.
+`src/datasets.py` finds the files and reads each split as a Dataset of (uint8 image, label);
+this module holds the three splits and cuts them into batches. `train` and `val` (`data.val_size`
+images held out of the training split by a draw that depends on `data.split_seed` alone), and
+`test`, evaluated once at the end.
 
-`loader=tensor` (the default): each split lives once as a uint8 tensor on the training device; a
-batch is gathered by index and normalised there, so the loop runs no per-sample Python.
-`loader=torch`: the standard `DataLoader` over a per-sample `Dataset`, the path to extend with
-per-sample transforms, augmentation or data that does not fit in memory.
+`loader=tensor` (the default): each split lives once as a uint8 tensor on the training device,
+decoded once (an image folder keeps the decoded images in a cache file beside it); a batch is
+gathered by index, augmented and normalised there, so the loop runs no per-sample Python.
+`loader=torch`: the standard `DataLoader` reading one sample at a time (with workers), for data
+that does not fit in memory; its batches get the same augmentation and normalisation on the
+device, so both loaders give the very same batches.
 
 Both draw the same sample order: the permutation `DistributedSampler` draws, cut into global
 batches that are split over the ranks (`GlobalBatchSampler`), so it depends on `seed` and the
@@ -15,20 +19,15 @@ epoch only, never on `parallel=` or the loader.
 
 from __future__ import annotations
 
-import gzip
+import functools
 import logging
 import math
-import os
-import shutil
-import struct
-import tempfile
-import zlib
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 import torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+import torch.nn.functional as F
+from hydra.utils import get_class
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src import storage
 from src.distributed import Process
@@ -36,94 +35,7 @@ from src.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# The four files of an MNIST-style dataset (each may also be gzipped, with a .gz suffix).
-FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-IMAGE_SHAPE = (28, 28)
-
-
-def read_idx(path: Path) -> torch.Tensor:
-    """Read one IDX file of unsigned bytes, gzipped or not, checking its header and its length."""
-    try:
-        raw = path.read_bytes()
-        if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as err:
-        raise UserError(
-            f"Could not read {path}: it is truncated or not a valid gzip file ({err}). "
-            "Replace it with a good copy, or delete it to download it again."
-        ) from None
-    # Header: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions,
-    # then each dimension as a big-endian uint32.
-    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] not in (1, 3):
-        raise UserError(
-            f"{path} is not an IDX file of images or labels "
-            f"(magic number {raw[:4].hex() or 'missing'}). Replace it with the original file."
-        )
-    header = 4 + 4 * raw[3]
-    shape = struct.unpack(f">{raw[3]}I", raw[4:header]) if len(raw) >= header else (0,)
-    if len(raw) != header + math.prod(shape):
-        raise UserError(
-            f"{path} is truncated or corrupt: its header announces shape {shape}, which needs "
-            f"{header + math.prod(shape)} bytes, but it holds {len(raw)}. "
-            "Replace it with a good copy."
-        )
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
-
-
-def find_file(folder: Path, name: str) -> Path | None:
-    """`folder/name` or `folder/name.gz`, whichever exists (the uncompressed one first)."""
-    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
-
-
-def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
-    """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
-    for folder in (root, root / torchvision_class / "raw"):
-        if all(find_file(folder, name) for names in FILES.values() for name in names):
-            return folder
-    return None
-
-
-def download_with_torchvision(root: Path, torchvision_class: str) -> None:
-    """Download the four files with torchvision into `root/<Class>/raw`: into a folder beside
-    it first, so that a download that fails (a full disk, a lost connection) leaves no partial
-    file for the next run to read."""
-    import torchvision  # slow to import, and only needed here
-
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{torchvision_class}."))  # one per process
-    try:
-        getattr(torchvision.datasets, torchvision_class)(str(staging), train=True, download=True)
-        target = root / torchvision_class / "raw"
-        target.mkdir(parents=True, exist_ok=True)
-        for file in (staging / torchvision_class / "raw").iterdir():
-            os.replace(file, target / file.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why files cannot be written into `folder` (made if missing), or None if they can."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            return None
-    except OSError as err:
-        return err.strerror or str(err)
-
-
-def download_failed(err: Exception, root: Path) -> str:
-    """Why a download failed, in a few words; a full disk stops the run with its own message."""
-    if isinstance(err, OSError) and err.errno in storage.FULL:
-        reason, fix = storage.FULL[err.errno]
-        raise UserError(
-            f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
-            f"download is removed. {fix}, or set data.root to a folder with room: the dataset "
-            "takes about 70 MB."
-        ) from None
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
-    return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
+Split = tuple[torch.Tensor, torch.Tensor] | Dataset  # (images, labels) in memory, or a Dataset
 
 
 class GlobalBatchSampler:
@@ -175,46 +87,48 @@ def hold_out(count: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return order[size:].sort().values, order[:size].sort().values
 
 
-class MNISTData:
-    """An MNIST-style dataset (MNIST, Fashion-MNIST, ...) in memory, batched for this process.
+class Data:
+    """A dataset's three splits, batched for this process.
 
     `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
     `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th image of the
-    split, so every image is counted exactly once whatever the world size.
+    split, so every image is counted exactly once whatever the world size. `dataset` names the
+    class of `src/datasets.py` (or your own) that reads the files; the keys this class does not
+    take (root, download, ...) are that class's.
     """
 
     def __init__(
         self,
-        root: str,
-        torchvision_class: str,
-        download: bool,
-        mean: float,
-        std: float,
-        num_classes: int,
+        dataset: str,
+        mean: float | Sequence[float] | None,
+        std: float | Sequence[float] | None,
+        num_classes: int | None,
         batch_size: int,
         test_batch_size: int,
         subset: int | None,
         seed: int,
         val_size: int,
         split_seed: int,
+        in_channels: int | None = None,
+        image_size: int | None = None,
+        class_names: Sequence[str] | None = None,
+        augment: bool = False,
         loader: str = "tensor",
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
-        class_names: list[str] | None = None,
+        **options,
     ):
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
-        self.root = Path(root)
+        self.source = get_class(dataset)(image_size=image_size, in_channels=in_channels, **options)
         self.loader = loader
         self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
                         "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
-        self.torchvision_class = torchvision_class
-        self.download = download
         self.mean, self.std = mean, std
-        self.normalise = Normalise(mean, std)
         self.num_classes = num_classes
         self.class_names = list(class_names) if class_names else None
+        self.augment = augment
         self.batch_size = batch_size
         self.test_batch_size = test_batch_size
         self.subset = subset
@@ -222,110 +136,162 @@ class MNISTData:
         self.val_size, self.split_seed = val_size, split_seed
 
     def setup(self, process: Process) -> None:
-        """Check the batch size, find or download the files, load both splits onto the device."""
+        """Check the batch size, find or download the files, hold the splits for this process."""
         if self.batch_size < 1 or self.batch_size % process.world_size:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
                 f"processes. Use a multiple of {process.world_size}: it is the global batch, "
                 "and each rank takes an equal share."
             )
-        # One process per machine looks for the files and downloads them if needed while the
-        # others wait; gathering its verdict is the barrier, and every rank stops on an error.
-        error = None
+        # One process per machine finds (or downloads) the files and decodes them into the
+        # cache while the others wait; gathering its verdict is the barrier, and every rank
+        # stops on an error.
+        error, splits = None, {}
         if process.is_local_main:
             try:
-                self._locate_or_download()
+                self.source.prepare()
+                splits = {name: self._read(name) for name in ("train", "test")}
             except UserError as err:
                 error = str(err)
         errors = [e for e in process.all_gather_object(error) if e]
         if errors:
             raise UserError(errors[0])
+        splits = splits or {name: self._read(name) for name in ("train", "test")}
 
-        # loader=torch keeps the images in RAM and copies each batch to the device.
-        folder = find_idx_folder(self.root, self.torchvision_class)
-        home = process.device if self.loader == "tensor" else torch.device("cpu")
-        files = self._load(folder, "train", home)
-        if self.val_size >= len(files[1]):
-            raise UserError(
-                f"data.val_size={self.val_size} leaves no training images: the training files "
-                f"in {folder} hold {len(files[1])}. Hold out fewer (0 for none)."
-            )
-        # Positions in the training files; `subset` takes the first training images among them.
-        self.train_index, self.val_index = hold_out(len(files[1]), self.val_size, self.split_seed)
-        self.train_index = self.train_index[: self.subset]
-        self.train, self.val = (
-            tuple(t.index_select(0, index.to(t.device)) for t in files)
-            for index in (self.train_index, self.val_index)
-        )
-        self.test = self._load(folder, "test", home)
         self.device = process.device
         self.rank, self.world_size = process.rank, process.world_size
+        self._hold(splits["train"], splits["test"])
+        self._describe()
         self.sampler = GlobalBatchSampler(
-            len(self.train[1]), self.batch_size, process.rank, process.world_size, self.seed
+            self.size("train"), self.batch_size, process.rank, process.world_size, self.seed
         )
+        self.normalise = self._normalisation()
+        self.augmentation = Augment(
+            max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
+        ) if self.augment else None  # fmt: skip
         if self.loader == "torch":
-            dataset = IDXDataset(*self.train, standard_transform(self.mean, self.std))
+            collate_empty = functools.partial(collate, shape=self.shape)
             self.train_loader = DataLoader(
-                dataset, batch_sampler=self.sampler, collate_fn=collate, **self.workers
+                self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
             )
+            shares = {  # every world_size-th image, as the tensor path evaluates
+                split: Subset(
+                    getattr(self, split), range(self.rank, self.size(split), self.world_size)
+                )
+                for split in ("val", "test")
+            }
+            self.eval_loaders = {
+                split: DataLoader(
+                    share, batch_size=self.test_batch_size, collate_fn=collate_empty, **self.workers
+                )
+                for split, share in shares.items()
+            }
         log.info(
-            "Data: %d training, %d validation (data.val_size) and %d test images from %s",
-            len(self.train[1]),
-            len(self.val[1]),
-            len(self.test[1]),
-            folder,
+            "Data: %d training, %d validation (data.val_size) and %d test images of %s from %s",
+            self.size("train"),
+            self.size("val"),
+            self.size("test"),
+            "×".join(map(str, self.shape)),
+            self.source,
         )
 
-    def _locate_or_download(self) -> None:
-        if find_idx_folder(self.root, self.torchvision_class):
-            return
-        where = f"{self.root} or {self.root / self.torchvision_class / 'raw'}"
-        reason = "data.download=false"
-        if self.download and (why := unwritable(self.root)):
+    def _read(self, name: str) -> Split:
+        """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
+        dataset = self.source.split(name)
+        if self.loader == "torch":
+            return dataset
+        if hasattr(dataset, "tensors"):
+            return dataset.tensors()
+        return cached(self.source, name, dataset)
+
+    def _hold(self, train: Split, test: Split) -> None:
+        """The validation split carved out of `train`; tensors moved to the training device."""
+        count = len(train[1]) if isinstance(train, tuple) else len(train)
+        if isinstance(self.val_size, float):  # a share of the training split
+            self.val_size = round(self.val_size * count)
+        if self.val_size >= count:
             raise UserError(
-                f"{self.torchvision_class} IDX files not found in {where}, and data.root="
-                f"{self.root} cannot be written to download them into ({why}). Set data.root to "
-                "a writable folder, or put the four files in it."
+                f"data.val_size={self.val_size} leaves no training images: the training split "
+                f"of {self.source} holds {count}. Hold out fewer (0 for none)."
             )
-        if self.download:
+        # Positions in the training split; `subset` takes the first training images among them.
+        self.train_index, self.val_index = hold_out(count, self.val_size, self.split_seed)
+        self.train_index = self.train_index[: self.subset]
+        if isinstance(train, tuple):
+            train = tuple(t.to(self.device) for t in train)
+            self.train, self.val = (
+                tuple(t.index_select(0, index.to(self.device)) for t in train)
+                for index in (self.train_index, self.val_index)
+            )
+            self.test = tuple(t.to(self.device) for t in test)
+        else:
+            self.train, self.val = (
+                Subset(train, index.tolist()) for index in (self.train_index, self.val_index)
+            )
+            self.test = test
+
+    def _describe(self) -> None:
+        """The shape, classes and labels the data has, checked against what the config says."""
+        first = self.train[0] if isinstance(self.train, tuple) else self.train[0][0].unsqueeze(0)
+        self.shape = tuple(first.shape[1:])  # C×H×W
+        self.in_channels, self.image_size = self.shape[0], self.shape[1]
+        classes = self.source.classes
+        if self.num_classes is None:
+            self.num_classes = len(classes or ())
+        elif classes and len(classes) != self.num_classes:
+            raise UserError(
+                f"data.num_classes={self.num_classes}, but {self.source} has {len(classes)} "
+                f"classes. Set it to {len(classes)}, or to null to take the number found."
+            )
+        self.class_names = self.class_names or classes
+        for split in ("train", "test"):
+            labels = labels_of(getattr(self, split))
+            if labels is not None and len(labels) and labels.max() >= self.num_classes:
+                raise UserError(
+                    f"The {split} split of {self.source} has label {labels.max().item()}, but "
+                    f"data.num_classes={self.num_classes}. Set it to {labels.max().item() + 1}."
+                )
+
+    def _normalisation(self) -> Normalise:
+        """data.mean and data.std, or, where they are null, computed from the training images."""
+        mean, std = self.mean, self.std
+        if mean is None or std is None:
+            mean, std = mean_and_std(self._uint8_batches(self.train))
             log.info(
-                "%s not found in %s: downloading it with torchvision", self.torchvision_class, where
+                "data.mean=%s data.std=%s, computed from the %d training images: put them in "
+                "the config to skip this",
+                [round(m, 4) for m in mean], [round(s, 4) for s in std], self.size("train"),
+            )  # fmt: skip
+            mean, std = self.mean if self.mean is not None else mean, self.std or std
+        mean, std = ([v] if isinstance(v, int | float) else list(v) for v in (mean, std))
+        if not len(mean) == len(std) == self.in_channels:
+            raise UserError(
+                f"data.mean={mean} and data.std={std} need one value per channel: the images "
+                f"have {self.in_channels}."
             )
-            try:
-                download_with_torchvision(self.root, self.torchvision_class)
-            except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
-                reason = download_failed(err, self.root)
-            if find_idx_folder(self.root, self.torchvision_class):
-                return
-        raise UserError(
-            f"{self.torchvision_class} IDX files not found in {where}, and {reason}. "
-            "Put the four files (train/t10k images and labels, gzipped or not) there, point "
-            "data.root at a folder that holds them, or train on Fashion-MNIST offline: "
-            "apt-get install dataset-fashion-mnist, then "
-            "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
-        )
+        return Normalise(mean, std, self.device)
 
-    def _load(
-        self, folder: Path, split: str, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        image_path, label_path = (find_file(folder, name) for name in FILES[split])
-        images, labels = read_idx(image_path), read_idx(label_path)
-        if images.dim() != 3 or tuple(images.shape[1:]) != IMAGE_SHAPE:
-            raise UserError(
-                f"{image_path} holds images of shape {tuple(images.shape)}, not N×28×28."
+    def _uint8_batches(self, split: Split) -> Iterator[torch.Tensor]:
+        if isinstance(split, tuple):
+            yield from split[0].split(4096)
+        else:
+            loader = DataLoader(
+                split, batch_size=256, collate_fn=collate, num_workers=self.workers["num_workers"]
             )
-        if labels.dim() != 1 or len(labels) != len(images):
-            raise UserError(
-                f"{label_path} holds {tuple(labels.shape)} labels for {len(images)} images in "
-                f"{image_path}: the two files do not belong together."
-            )
-        if len(labels) and labels.max() >= self.num_classes:
-            raise UserError(
-                f"{label_path} has label {labels.max().item()}, "
-                f"but data.num_classes={self.num_classes}."
-            )
-        # Channel dimension first, as the models expect: N×1×28×28.
-        return images.unsqueeze(1).to(device), labels.long().to(device)
+            for images, _ in loader:
+                yield images
+
+    def size(self, split: str) -> int:
+        """The number of images of `split` (train, val or test)."""
+        held = getattr(self, split)
+        return len(held[1]) if isinstance(held, tuple) else len(held)
+
+    def sample(self, split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `count` images of `split` (uint8) and their labels, on the training device."""
+        held = getattr(self, split)
+        if not isinstance(held, tuple):
+            held = collate([held[i] for i in range(min(count, len(held)))], self.shape)
+        return held[0][:count].to(self.device), held[1][:count].to(self.device)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -339,10 +305,12 @@ class MNISTData:
         `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
         """
         self.sampler.set_epoch(epoch, skip)
-        num_samples = len(self.train[1])
+        num_samples = self.size("train")
         for step, (images, labels) in enumerate(self._batches(), start=skip):
             global_size = min(self.batch_size, num_samples - step * self.batch_size)
-            yield images, labels, global_size
+            if self.augmentation:
+                images = self.augmentation(images, epoch, step, global_size)
+            yield self.normalise(images), labels, global_size
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.loader == "torch":
@@ -352,55 +320,114 @@ class MNISTData:
         else:
             for index in self.sampler.index_batches(self.device):  # no per-sample Python
                 # index_select: the same rows as images[index], several times faster on a CPU.
-                images, labels = (t.index_select(0, index) for t in self.train)
-                yield self.normalise(images), labels
+                yield tuple(t.index_select(0, index) for t in self.train)
 
     def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's images of `split` (val or test): every world_size-th one, in batches of
         test_batch_size."""
+        if self.loader == "torch":
+            for images, labels in self.eval_loaders[split]:
+                yield self.normalise(images.to(self.device)), labels.to(self.device)
+            return
         images, labels = getattr(self, split)
         index = torch.arange(self.rank, len(labels), self.world_size, device=labels.device)
         for chunk in index.split(self.test_batch_size) if len(index) else ():
-            batch = images.index_select(0, chunk), labels.index_select(0, chunk)
-            yield self.normalise(batch[0].to(self.device)), batch[1].to(self.device)
+            yield self.normalise(images.index_select(0, chunk)), labels.index_select(0, chunk)
 
 
 class Normalise:
     """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
 
-    def __init__(self, mean: float, std: float):
+    def __init__(self, mean: list[float], std: list[float], device: torch.device):
         self.mean, self.std = mean, std
+        self._mean = torch.tensor(mean, device=device).view(-1, 1, 1)
+        self._std = torch.tensor(std, device=device).view(-1, 1, 1)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return images.float().div_(255).sub_(self.mean).div_(self.std)
+        return images.float().div_(255).sub_(self._mean).div_(self._std)
 
 
-def standard_transform(mean: float, std: float) -> Callable[[Image.Image], torch.Tensor]:
-    """torchvision's MNIST pipeline: PIL image → ToTensor() → Normalize(mean, std). Add
-    per-sample augmentation here (transforms.RandomRotation(10), ...)."""
-    from torchvision import transforms  # slow to import: only for loader=torch
+class Augment:
+    """CIFAR's standard augmentation, on a batch on the device: a random crop of each image padded
+    by `pad` black pixels on every side, and a horizontal flip of half of them on average.
 
-    return transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
+    The draws are made for the whole global batch from (seed, epoch, step) and each rank takes
+    its share's, so they are the same for any number of processes, and a resume repeats them.
+    """
+
+    def __init__(self, pad: int, seed: int, rank: int, world_size: int):
+        self.pad, self.seed, self.rank, self.world_size = pad, seed, rank, world_size
+
+    def __call__(
+        self, images: torch.Tensor, epoch: int, step: int, global_size: int
+    ) -> torch.Tensor:
+        generator = torch.Generator().manual_seed((self.seed * 100_003 + epoch) * 1_000_003 + step)
+        shifts = torch.randint(0, 2 * self.pad + 1, (global_size, 2), generator=generator)
+        flips = torch.rand(global_size, generator=generator) < 0.5
+        shifts, flips = (t[self.rank :: self.world_size].to(images.device) for t in (shifts, flips))
+        count, _, height, width = images.shape
+        padded = F.pad(images, (self.pad,) * 4)
+        rows = shifts[:, :1] + torch.arange(height, device=images.device)  # count×height
+        columns = shifts[:, 1:] + torch.arange(width, device=images.device)
+        columns = torch.where(flips[:, None], columns.flip(1), columns)  # a flip reads backwards
+        batch = torch.arange(count, device=images.device)[:, None, None]
+        crops = padded[batch, :, rows[:, :, None], columns[:, None, :]]  # count×H×W×C
+        return crops.permute(0, 3, 1, 2).contiguous()
 
 
-class IDXDataset(Dataset):
-    """One sample at a time, as torchvision's MNIST dataset gives them: a PIL image, transformed,
-    and its label. The `loader=torch` path."""
+def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split decoded into uint8 tensors, through a cache file beside the data: read when the
+    files have not changed since it was written, else decoded again and the cache rewritten."""
+    path, fingerprint = source.cache_path(name), source.fingerprint(dataset)
+    if path.is_file():
+        try:
+            cache = torch.load(path, weights_only=True)
+            if cache["fingerprint"] == fingerprint:
+                return cache["images"], cache["labels"]
+            log.info(
+                "%s: the %s images changed since it was written; decoding them again", path, name
+            )
+        except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
+            log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
+    log.info("Decoding the %d %s images of %s into memory", len(dataset), name, source)
+    images, labels = collate([dataset[i] for i in range(len(dataset))], shape=None)
+    cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
+    try:
+        storage.write_atomically(path, lambda file: torch.save(cache, file))
+    except OSError as err:
+        log.warning("Could not write the cache %s (%s): the next run decodes them again", path, err)
+    return images, labels
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable):
-        self.images, self.labels, self.transform = images, labels, transform
 
-    def __len__(self) -> int:
-        return len(self.labels)
+def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale."""
+    total = squares = 0
+    count = 0
+    for images in batches:
+        pixels = images.float().div(255).transpose(0, 1).flatten(1)  # C×(N·H·W)
+        total = total + pixels.sum(1).double().cpu()
+        squares = squares + pixels.square().sum(1).double().cpu()
+        count += pixels.shape[1]
+    mean = total / count
+    return mean.tolist(), (squares / count - mean.square()).sqrt().tolist()
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = Image.fromarray(self.images[index, 0].numpy(), mode="L")
-        return self.transform(image), self.labels[index]
+
+def labels_of(split: Split) -> torch.Tensor | None:
+    """A split's labels, where they are known without reading its images."""
+    if isinstance(split, tuple):
+        return split[1]
+    if isinstance(split, Subset):
+        labels = labels_of(split.dataset)
+        return None if labels is None else labels[torch.as_tensor(split.indices, dtype=torch.long)]
+    labels = getattr(split, "labels", getattr(split, "targets", None))
+    return None if labels is None else torch.as_tensor(labels)
 
 
-def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(
+    samples: list[tuple[torch.Tensor, int]], shape: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack samples into a batch; a rank's share of a last, small batch may be empty."""
     if not samples:
-        return torch.empty(0, 1, *IMAGE_SHAPE), torch.empty(0, dtype=torch.long)
+        return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
     images, labels = zip(*samples, strict=True)
-    return torch.stack(images), torch.stack(labels)
+    return torch.stack(images), torch.as_tensor(labels, dtype=torch.long)

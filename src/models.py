@@ -1,4 +1,5 @@
-"""The reference networks. Each takes N×1×28×28 images and returns logits."""
+"""The reference networks. Each takes N×C×H×W images and returns logits; the data tells it its
+input's channels (`in_channels`), height and width (`image_size`) and its `num_classes`."""
 
 import torch
 import torch.nn.functional as F
@@ -8,9 +9,9 @@ from torch import nn
 class MLP(nn.Module):
     """Flatten → Linear → ReLU → Linear: the MLP of PyTorch's DDP tutorials (784-512-10)."""
 
-    def __init__(self, in_features: int, hidden: int, num_classes: int):
+    def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
         super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc1 = nn.Linear(in_channels * image_size * image_size, hidden)
         self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,16 +27,23 @@ class CNN(nn.Module):
     """
 
     def __init__(
-        self, num_classes: int, dropout1: float, dropout2: float, batch_norm: bool = False
+        self,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        dropout1: float,
+        dropout2: float,
+        batch_norm: bool = False,
     ):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv1 = nn.Conv2d(in_channels, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
         self.bn1 = nn.BatchNorm2d(32) if batch_norm else nn.Identity()
         self.bn2 = nn.BatchNorm2d(64) if batch_norm else nn.Identity()
         self.dropout1 = nn.Dropout(dropout1)
         self.dropout2 = nn.Dropout(dropout2)
-        self.fc1 = nn.Linear(9216, 128)  # 64 channels × 12 × 12 after the pool
+        pooled = (image_size - 4) // 2  # two 3×3 convolutions, then a 2×2 pool: 12 for 28
+        self.fc1 = nn.Linear(64 * pooled * pooled, 128)
         self.fc2 = nn.Linear(128, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,3 +52,19 @@ class CNN(nn.Module):
         x = self.dropout1(F.max_pool2d(x, 2))
         x = F.relu(self.fc1(torch.flatten(x, 1)))
         return self.fc2(self.dropout2(x))
+
+
+def resnet18(in_channels: int, num_classes: int, small_images: bool) -> nn.Module:
+    """torchvision's ResNet-18, untrained. `small_images`: the stem used for CIFAR-sized inputs,
+    a 3×3 convolution of stride 1 and no max-pool, instead of ImageNet's 7×7 of stride 2 and a
+    pool, which would shrink a 32×32 image to 8×8 before the first block. Any image size works:
+    the network ends in an adaptive pool."""
+    from torchvision.models import resnet18 as torchvision_resnet18
+
+    model = torchvision_resnet18(num_classes=num_classes)
+    if small_images:
+        model.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    elif in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+    return model

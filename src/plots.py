@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from src import storage
-from src.data import MNISTData
+from src.data import Data
 
 
-def draw(run_dir: Path, model: nn.Module, data: MNISTData) -> list[Path]:
+def draw(run_dir: Path, model: nn.Module, data: Data) -> list[Path]:
     """Write both pictures into `run_dir`; returns their paths."""
     import matplotlib
 
@@ -50,30 +50,35 @@ def curves(records: list[dict[str, Any]], path: Path) -> Path:
 
 
 @torch.inference_mode()
-def predictions(model: nn.Module, data: MNISTData, run_dir: Path, count: int = 32) -> Path:
+def predictions(model: nn.Module, data: Data, run_dir: Path, count: int = 32) -> Path:
     """The first `count` test images, each labelled with the predicted and the true label; the
     wrong ones in red. One image of them all, not one plot each: a second faster to draw."""
     import matplotlib.pyplot as plt
 
     model.eval()
-    images, labels = data.test[0][:count], data.test[1][:count]
-    predicted = model(data.normalise(images.to(data.device))).argmax(dim=1).cpu()
+    images, labels = data.sample("test", count)
+    predicted = model(data.normalise(images)).argmax(dim=1).cpu()
     names = data.class_names or [str(i) for i in range(data.num_classes)]
-    columns, (height, width) = 8, images.shape[-2:]
+    images = images.cpu().permute(0, 2, 3, 1)  # N×H×W×C, as images are drawn
+    columns, (height, width, channels) = 8, images.shape[1:]
     rows, band = -(-len(images) // columns), height // 2  # under each image: its label
-    sheet = torch.full((rows * (height + band), columns * (width + 4)), 255, dtype=torch.uint8)
+    sheet = torch.full(
+        (rows * (height + band), columns * (width + 4), channels), 255, dtype=torch.uint8
+    )
     figure = plt.figure(figsize=(columns * 1.4, columns * 1.4 * sheet.shape[0] / sheet.shape[1]))
     axes = figure.add_axes((0, 0, 1, 1))
     for i, (image, guess, truth) in enumerate(
-        zip(images.cpu(), predicted.tolist(), labels.tolist(), strict=True)
+        zip(images, predicted.tolist(), labels.tolist(), strict=True)
     ):
         top, left = (i // columns) * (height + band), (i % columns) * (width + 4) + 2
-        sheet[top : top + height, left : left + width] = image[0]
+        sheet[top : top + height, left : left + width] = image
         wrong = guess != truth
         label = names[guess] + (f"\n(true: {names[truth]})" if wrong else "")
         axes.text(left + width / 2, top + height + 1, label, ha="center", va="top", fontsize=7,
                   color="red" if wrong else "black")  # fmt: skip
-    axes.imshow(sheet, cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+    grey = channels == 1
+    axes.imshow(sheet[..., 0] if grey else sheet, cmap="gray" if grey else None, vmin=0, vmax=255,
+                interpolation="nearest")  # fmt: skip
     axes.axis("off")
     path = run_dir / "predictions.png"
     storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))

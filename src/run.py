@@ -35,6 +35,8 @@ from src.training import (
 
 log = logging.getLogger("train")
 
+DATA_SHAPE = ("in_channels", "image_size", "num_classes")  # what a model may take from the data
+
 
 def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     """One training run (or evaluation) in this process: alone, or one rank of a DDP group.
@@ -62,7 +64,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             data = instantiate(cfg.data)
             data.setup(process)
 
-            model = build_model(cfg, trainer, process, weights)
+            model = build_model(cfg, trainer, process, weights, data)
             if cfg.train:
                 state = resumed and resumed[1]
                 parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
@@ -81,7 +83,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             else:  # train=false: the checkpoint's weights, on the validation split too
                 fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
                 result = None
-                if len(data.val[1]):
+                if data.size("val"):
                     at = {"step": fitted.step, "epoch": fitted.epoch}
                     val = evaluate_and_log(
                         model, data, "val", process, logger, trainer, at, str(weights[0])
@@ -125,12 +127,14 @@ def draw(run_dir: Path, model: nn.Module, data, logger: MetricsLogger | None) ->
 
 
 def build_model(
-    cfg: DictConfig, trainer: Trainer, process: distributed.Process, weights: tuple | None
+    cfg: DictConfig, trainer: Trainer, process: distributed.Process, weights: tuple | None, data
 ) -> nn.Module:
     """The model of `cfg.model`, the same on every rank, with the checkpoint `weights` if given,
     wrapped as the parallel mode trains it."""
+    # The input's shape and the number of classes that the config leaves to the data to find.
+    found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    model = instantiate(cfg.model).to(process.device)
+    model = instantiate(cfg.model, **found).to(process.device)
     if weights:
         checkpoint.load_model(model, *weights)
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares

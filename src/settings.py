@@ -166,8 +166,11 @@ def read_settings(cfg: DictConfig) -> Settings:
     """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
     _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
-    if val_size is None or val_size < 0:
-        _refuse("data.val_size", val_size, "0 (none) or more")
+    share = isinstance(val_size, float) and 0 < val_size < 1
+    if not (
+        share or isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0
+    ):
+        _refuse("data.val_size", val_size, "0 (none) or more images, or a share (0.1)")
     interval = cfg.scheduler.get("interval")
     if interval not in ("epoch", "step"):
         _refuse("scheduler.interval", interval, "epoch or step")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from src import checkpoint
 from src.checkpoint import Best, Checkpointer, Parts, Progress
-from src.data import MNISTData
+from src.data import Data
 from src.distributed import Process, unwrap
 from src.errors import Stopped, UserError
 from src.logger import MetricsLogger
@@ -145,7 +145,7 @@ class Fitted(NamedTuple):
 
 def fit(
     parts: Parts,
-    data: MNISTData,
+    data: Data,
     process: Process,
     settings: Settings,
     checkpointer: Checkpointer,
@@ -210,7 +210,7 @@ def why_finished(progress: Progress, trainer: Trainer) -> str:
 
 def train_epoch(
     parts: Parts,
-    data: MNISTData,
+    data: Data,
     process: Process,
     trainer: Trainer,
     progress: Progress,
@@ -424,7 +424,7 @@ def stop_now(process: Process, checkpointer: Checkpointer, step: int) -> NoRetur
 
 def warm_up(
     parts: Parts,
-    data: MNISTData,
+    data: Data,
     process: Process,
     trainer: Trainer,
     logger: MetricsLogger | None,
@@ -451,7 +451,7 @@ def warm_up(
     )
     for images, labels, global_size in batches:
         train_step(parts, images, labels, global_size, process, trainer)
-    evaluate(model, data, "val" if len(data.val[1]) else "test", process, trainer)  # thrown away
+    evaluate(model, data, "val" if data.size("val") else "test", process, trainer)  # thrown away
     unwrap(model).load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     scaler.load_state_dict(saved[2])
@@ -511,7 +511,7 @@ def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger
 
 def evaluate_and_log(
     model: nn.Module,
-    data: MNISTData,
+    data: Data,
     split: str,
     process: Process,
     logger: MetricsLogger | None,
@@ -537,7 +537,7 @@ def evaluate_and_log(
 
 def test(
     model: nn.Module,
-    data: MNISTData,
+    data: Data,
     process: Process,
     logger: MetricsLogger | None,
     trainer: Trainer,
@@ -563,7 +563,7 @@ def test(
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, data: MNISTData, split: str, process: Process, trainer: Trainer | None = None
+    model: nn.Module, data: Data, split: str, process: Process, trainer: Trainer | None = None
 ) -> dict[str, Any]:
     """Loss and accuracy over the whole `split` (val or test), each image counted once across
     ranks, with the precision and memory layout of `trainer` (if given)."""

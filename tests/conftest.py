@@ -295,3 +295,57 @@ def _unit_tests_start_no_process(request, monkeypatch):
             raise AssertionError(f"a unit test started a process: {args[:1]}")
 
         monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+def write_image_folder(
+    root: Path,
+    classes: dict[str, int] | None = None,
+    size: tuple[int, int] = (12, 12),
+    mode: str = "RGB",
+    seed: int = 0,
+    splits: tuple[str, ...] = ("train", "test"),
+) -> Path:
+    """An ImageFolder of PNG files, `root/<split>/<class>/<n>.png`: a learnable colour pattern
+    per class (the tiny data's idea), with noise; `classes` maps a class name to its count."""
+    from PIL import Image
+
+    classes = classes or {"cat": 30, "dog": 30, "fox": 30}
+    rng = np.random.default_rng(seed)
+    channels = len(mode)
+    patterns = rng.random((len(classes), size[1], size[0], channels)) < 0.3
+    for split in splits:
+        for label, (name, count) in enumerate(classes.items()):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            noise = rng.random((count, size[1], size[0], channels)) < 0.1
+            for i, image in enumerate((patterns[label] ^ noise).astype(np.uint8) * 255):
+                Image.fromarray(image.squeeze(-1) if channels == 1 else image, mode).save(
+                    folder / f"{i:03d}.png"
+                )
+    return root
+
+
+def _cifar10_written_here():
+    """torchvision's CIFAR10, with the md5 of the files a test wrote in place of the real
+    dataset's: everything else (the integrity check itself, the unpickling) is torchvision's."""
+    import hashlib
+
+    from torchvision.datasets import CIFAR10
+
+    class CIFAR10WrittenHere(CIFAR10):
+        def __init__(self, root, *args, **kwargs):
+            folder = Path(root) / self.base_folder
+            md5 = lambda name: hashlib.md5((folder / name).read_bytes()).hexdigest()  # noqa: E731
+            if folder.is_dir():
+                self.train_list = [[name, md5(name)] for name, _ in CIFAR10.train_list]
+                self.test_list = [[name, md5(name)] for name, _ in CIFAR10.test_list]
+                self.meta = {**CIFAR10.meta, "md5": md5(CIFAR10.meta["filename"])}
+            super().__init__(root, *args, **kwargs)
+
+    return CIFAR10WrittenHere
+
+
+def __getattr__(name: str):  # torchvision is imported only by the tests that use the class
+    if name == "CIFAR10WrittenHere":
+        return _cifar10_written_here()
+    raise AttributeError(name)

@@ -17,13 +17,15 @@ from conftest import (
 )
 from torch.utils.data import DistributedSampler
 
-from src.data import GlobalBatchSampler, MNISTData, find_idx_folder, read_idx
+from src.data import Data, GlobalBatchSampler
+from src.datasets import find_idx_folder, read_idx
 from src.distributed import Process
 from src.errors import UserError
 
 
-def mnist(root, **overrides) -> MNISTData:
+def mnist(root, **overrides) -> Data:
     args = dict(
+        dataset="src.datasets.IDX",
         root=str(root),
         torchvision_class="MNIST",
         download=False,
@@ -37,7 +39,7 @@ def mnist(root, **overrides) -> MNISTData:
         val_size=VAL_SIZE,
         split_seed=0,
     )
-    return MNISTData(**{**args, **overrides})
+    return Data(**{**args, **overrides})
 
 
 @pytest.mark.unit
@@ -265,9 +267,8 @@ def test_the_validation_split_depends_on_split_seed_alone(tmp_path):
         data = mnist(tmp_path, **overrides)
         data.setup(process)
         assert torch.equal(data.val_index, reference.val_index), overrides
-        assert torch.equal(data.val[0], reference.val[0]) and torch.equal(
-            data.val[1], reference.val[1]
-        )
+        ours, theirs = data.sample("val", 1000), reference.sample("val", 1000)  # the whole split
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     subset = mnist(tmp_path, subset=40)
     subset.setup(Process())
     assert torch.equal(subset.train_index, reference.train_index[:40])  # the first 40 of the rest
@@ -287,6 +288,6 @@ def test_val_size_zero_holds_nothing_out(tmp_path):
 def test_a_validation_split_that_leaves_no_training_images_is_refused(tmp_path, tiny_data):
     result = train([f"data.root={tiny_data}", "logger=none", "data.val_size=250"], tmp_path)
     assert result.returncode != 0
-    assert "data.val_size=250 leaves no training images: the training files" in result.stderr
-    assert "hold 250. Hold out fewer (0 for none)." in result.stderr
+    assert "data.val_size=250 leaves no training images: the training split" in result.stderr
+    assert "holds 250. Hold out fewer (0 for none)." in result.stderr
     assert "Traceback" not in result.stderr

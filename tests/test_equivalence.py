@@ -26,7 +26,7 @@ from conftest import (
 )
 from hydra.utils import instantiate
 
-from src.data import MNISTData
+from src.data import Data
 from src.distributed import Process
 from src.training import evaluate
 
@@ -166,7 +166,7 @@ def test_ddp_evaluation_is_exact_with_3_processes(tmp_path):
     model.load_state_dict(checkpoint["model"])
     data = instantiate({**cfg["data"], "root": str(data_dir)})
     data.setup(Process())
-    assert isinstance(data, MNISTData) and len(data.test[1]) == 10_000 and len(data.val[1]) == 3001
+    assert isinstance(data, Data) and data.size("test") == 10_000 and data.size("val") == 3001
     for split, record in (("val", validated), ("test", logged)):
         single = evaluate(model, data, split, Process())
         assert record[f"{split}/correct"] == single[f"{split}/correct"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from src import checkpoint, distributed
 from src.checkpoint import Parts, restore
-from src.data import find_idx_folder
+from src.datasets import find_idx_folder
 from src.distributed import Process
 
 pytestmark = [

@@ -1,7 +1,7 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
-The set-up commands (pip, apt-get) and `pytest` itself are run by .ci/run, the benchmark by
-tests/test_bench.py.
+The set-up commands (pip, apt-get), `pytest` itself and writing Fashion-MNIST as an image folder
+are run by .ci/run, the benchmark by tests/test_bench.py.
 """
 
 import re
@@ -19,13 +19,15 @@ from conftest import (
     read_metrics,
     readme_commands,
     run,
+    write_image_folder,
 )
 from hydra import compose, initialize_config_dir
 
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
 SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_per_node=4",
                  "torch.distributed.launch")  # fmt: skip
-SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py")
+SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py",
+          "python bench/write_image_folder.py")  # fmt: skip
 
 
 @pytest.mark.unit
@@ -51,7 +53,10 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
         env[name] = value
     if words[0] == "python":
         words[0] = sys.executable
-    words += [f"data.root={tiny_data}", "trainer.max_steps=2", f"paths.log_dir={tmp_path}/outputs"]
+    root = tiny_data
+    if "data=image_folder" in words:  # a folder of PNG files instead of IDX files
+        root = write_image_folder(tmp_path / "images", {"a": 40, "b": 40, "c": 40}, (28, 28), "L")
+    words += [f"data.root={root}", "trainer.max_steps=2", f"paths.log_dir={tmp_path}/outputs"]
     words += defaults_for_tests(words)  # a validation split the tiny data holds; no pictures
     if "hparams_search=optuna" in words:
         words += ["hydra.sweeper.n_trials=2"]  # as max_steps: enough to show it runs

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from src.checkpoint import Checkpointer, Parts, Progress, restore, rng_state
-from src.data import MNISTData
+from src.data import Data
 from src.distributed import Process
 from src.errors import UserError
 from src.settings import Checkpointing, Trainer
@@ -208,7 +208,7 @@ def test_a_batchnorm_model_under_ddp_counts_what_its_checkpoint_counts(tmp_path,
     model.load_state_dict(state["model"])
     data = instantiate(state["config"]["data"])
     data.setup(Process())
-    assert isinstance(data, MNISTData)
+    assert isinstance(data, Data)
     for split, logged in (("val", validated), ("test", tested)):
         single = evaluate(model, data, split, Process())
         assert logged[f"{split}/correct"] == single[f"{split}/correct"]

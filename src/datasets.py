@@ -1,0 +1,406 @@
+"""Where the images come from: find (or download) a dataset's files and read each split as a
+map-style `Dataset` of (image, label) pairs, an image being a uint8 tensor C×H×W.
+
+One class per kind of files, named by `dataset:` in its `conf/data/` file:
+
+- `IDX`: MNIST-style files (MNIST, Fashion-MNIST), downloaded with torchvision when missing;
+- `CIFAR10`: torchvision's `CIFAR10` class and files, downloaded when missing;
+- `ImageFolder`: your own images, one folder per class (`train/<class>/…`, `test/<class>/…`).
+
+Each has `prepare()` (find or download the files: one process per machine runs it while the
+others wait), `split(name)` (the `train` or `test` Dataset) and `classes` (the label names, known
+after `split`). `src/data.py` holds the splits in memory and batches them, the same way for all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from src import storage
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class Tensors(Dataset):
+    """A split already in memory: uint8 images N×C×H×W and their labels. `tensors()` hands it
+    over whole, so the fast path does not read it one sample at a time."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images, self.labels
+
+
+def check_shape(
+    name: str, image_size: int | None, in_channels: int | None, size: int, channels: int
+) -> None:
+    """Refuse a data.image_size or data.in_channels that a dataset of fixed-size images lacks."""
+    for key, asked, has in (
+        ("image_size", image_size, size),
+        ("in_channels", in_channels, channels),
+    ):
+        if asked not in (None, has):
+            raise UserError(
+                f"data.{key}={asked}, but {name} images have {has}. Leave it at {has}: only "
+                "data=image_folder resizes and converts images."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# MNIST-style IDX files
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read one IDX file of unsigned bytes, gzipped or not, checking its header and its length."""
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as err:
+        raise UserError(
+            f"Could not read {path}: it is truncated or not a valid gzip file ({err}). "
+            "Replace it with a good copy, or delete it to download it again."
+        ) from None
+    # Header: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions,
+    # then each dimension as a big-endian uint32.
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] not in (1, 3):
+        raise UserError(
+            f"{path} is not an IDX file of images or labels "
+            f"(magic number {raw[:4].hex() or 'missing'}). Replace it with the original file."
+        )
+    header = 4 + 4 * raw[3]
+    shape = struct.unpack(f">{raw[3]}I", raw[4:header]) if len(raw) >= header else (0,)
+    if len(raw) != header + math.prod(shape):
+        raise UserError(
+            f"{path} is truncated or corrupt: its header announces shape {shape}, which needs "
+            f"{header + math.prod(shape)} bytes, but it holds {len(raw)}. "
+            "Replace it with a good copy."
+        )
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
+
+
+def find_file(folder: Path, name: str) -> Path | None:
+    """`folder/name` or `folder/name.gz`, whichever exists (the uncompressed one first)."""
+    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+
+
+def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
+    """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
+    for folder in (root, root / torchvision_class / "raw"):
+        if all(find_file(folder, name) for names in IDX_FILES.values() for name in names):
+            return folder
+    return None
+
+
+class IDX:
+    """An MNIST-style dataset (MNIST, Fashion-MNIST, ...): four IDX files of 28×28 grey images
+    and labels, in `root` or torchvision's `root/<Class>/raw`."""
+
+    classes = None  # the label numbers
+
+    def __init__(
+        self,
+        root: str,
+        download: bool = True,
+        torchvision_class: str = "MNIST",
+        image_size: int | None = None,
+        in_channels: int | None = None,
+    ):
+        check_shape(torchvision_class, image_size, in_channels, 28, 1)
+        self.root, self.download, self.torchvision_class = Path(root), download, torchvision_class
+
+    def prepare(self) -> None:
+        if find_idx_folder(self.root, self.torchvision_class):
+            return
+        where = f"{self.root} or {self.root / self.torchvision_class / 'raw'}"
+        reason = "data.download=false"
+        if self.download:
+            reason = download(self.root, self.torchvision_class, "IDX files", "70 MB")
+            if find_idx_folder(self.root, self.torchvision_class):
+                return
+        raise UserError(
+            f"{self.torchvision_class} IDX files not found in {where}, and {reason}. "
+            "Put the four files (train/t10k images and labels, gzipped or not) there, point "
+            "data.root at a folder that holds them, or train on Fashion-MNIST offline: "
+            "apt-get install dataset-fashion-mnist, then "
+            "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
+        )
+
+    def split(self, name: str) -> Tensors:
+        folder = find_idx_folder(self.root, self.torchvision_class)
+        image_path, label_path = (find_file(folder, file) for file in IDX_FILES[name])
+        images, labels = read_idx(image_path), read_idx(label_path)
+        if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28):
+            raise UserError(
+                f"{image_path} holds images of shape {tuple(images.shape)}, not N×28×28."
+            )
+        if labels.dim() != 1 or len(labels) != len(images):
+            raise UserError(
+                f"{label_path} holds {tuple(labels.shape)} labels for {len(images)} images in "
+                f"{image_path}: the two files do not belong together."
+            )
+        return Tensors(images.unsqueeze(1), labels.long())  # N×1×28×28: channels first
+
+    def __str__(self) -> str:
+        return str(find_idx_folder(self.root, self.torchvision_class))
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10, through torchvision's own class
+
+
+def torchvision_dataset(name: str) -> type:
+    """A class of torchvision.datasets by name (CIFAR10), or any class by its dotted path."""
+    if "." not in name:
+        import torchvision  # slow to import, and only needed here
+
+        return getattr(torchvision.datasets, name)
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+class CIFAR10:
+    """CIFAR-10: 50,000 training and 10,000 test images, 32×32 colour, 10 classes, read with
+    torchvision's class (which checks the files' checksums) from `root/cifar-10-batches-py`."""
+
+    def __init__(
+        self,
+        root: str,
+        download: bool = True,
+        torchvision_class: str = "CIFAR10",
+        image_size: int | None = None,
+        in_channels: int | None = None,
+    ):
+        check_shape("CIFAR-10", image_size, in_channels, 32, 3)
+        self.root, self.download, self.torchvision_class = Path(root), download, torchvision_class
+        self.classes: list[str] | None = None
+
+    def _open(self, train: bool):
+        return torchvision_dataset(self.torchvision_class)(str(self.root), train=train)
+
+    def prepare(self) -> None:
+        try:
+            self._open(train=True)
+            return
+        except RuntimeError:  # torchvision: "Dataset not found or corrupted"
+            reason = "data.download=false"
+        if self.download:
+            reason = download(self.root, self.torchvision_class, "files", "170 MB")
+            try:
+                self._open(train=True)
+                return
+            except RuntimeError:
+                pass
+        raise UserError(
+            f"CIFAR-10 not found in {self.root / 'cifar-10-batches-py'} (or its files do not "
+            f"match torchvision's checksums), and {reason}. Point data.root at the folder that "
+            "holds cifar-10-batches-py, or download it there on a machine with internet."
+        )
+
+    def split(self, name: str) -> Tensors:
+        dataset = self._open(train=name == "train")
+        self.classes = list(dataset.classes)
+        images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # N×3×32×32
+        return Tensors(images, torch.tensor(dataset.targets, dtype=torch.long))
+
+    def __str__(self) -> str:
+        return str(self.root / "cifar-10-batches-py")
+
+
+# ---------------------------------------------------------------------------------------------
+# Downloads
+
+
+def download(root: Path, torchvision_class: str, what: str, size: str) -> str:
+    """Download with torchvision into `root`; return why it failed, in a few words ('' if not)."""
+    if why := unwritable(root):
+        raise UserError(
+            f"{torchvision_class} {what} not found in {root}, and data.root={root} cannot be "
+            f"written to download them into ({why}). Set data.root to a writable folder, or put "
+            f"the {what} in it."
+        )
+    log.info("%s not found in %s: downloading it with torchvision", torchvision_class, root)
+    try:
+        download_with_torchvision(root, torchvision_class)
+    except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
+        return download_failed(err, root, size)
+    return "the download did not bring them"
+
+
+def download_with_torchvision(root: Path, torchvision_class: str) -> None:
+    """Download with torchvision's class into a folder beside `root`'s files first, then move
+    what it wrote in: a download that fails (a full disk, a lost connection) leaves no partial
+    file for the next run to read."""
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{torchvision_class}."))  # one per process
+    try:
+        torchvision_dataset(torchvision_class)(str(staging), train=True, download=True)
+        for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+            target = root / file.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (made if missing), or None if they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as err:
+        return err.strerror or str(err)
+
+
+def download_failed(err: Exception, root: Path, size: str) -> str:
+    """Why a download failed, in a few words; a full disk stops the run with its own message."""
+    if isinstance(err, OSError) and err.errno in storage.FULL:
+        reason, fix = storage.FULL[err.errno]
+        raise UserError(
+            f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
+            f"download is removed. {fix}, or set data.root to a folder with room: the dataset "
+            f"takes about {size}."
+        ) from None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
+    return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own images: one folder per class
+
+
+class ImageFolder:
+    """Images in torchvision's ImageFolder layout: `root/train/<class>/*.png` and
+    `root/test/<class>/*.png` (any format PIL reads), the classes named by their folders.
+
+    Each image is converted to grey (`in_channels=1`) or RGB (3), then, with `image_size`, its
+    shorter side resized to `image_size` and its centre cropped square; without `image_size` all
+    images must already share one square size.
+    """
+
+    def __init__(self, root: str, image_size: int | None = None, in_channels: int = 3):
+        if in_channels not in (1, 3):
+            raise UserError(f"data.in_channels={in_channels}: use 1 (grey) or 3 (RGB).")
+        self.root, self.image_size, self.in_channels = Path(root), image_size, in_channels
+        self.classes: list[str] | None = None
+
+    def prepare(self) -> None:
+        """Check the layout, the classes and, without image_size, that the sizes agree: every
+        mistake found from the file headers, before any image is decoded."""
+        train, test = (self._samples(name) for name in ("train", "test"))
+        if train[0] != test[0]:
+            raise UserError(
+                f"{self.root / 'test'} has the classes {test[0]} but {self.root / 'train'} has "
+                f"{train[0]}: both need the same class folders, one per label."
+            )
+        if self.image_size is None:
+            sizes: dict[tuple[int, int], str] = {}
+            for path, _ in train[1] + test[1]:
+                sizes.setdefault(read_header(path), path)
+                if len(sizes) > 1:
+                    (size, first), (other, second) = sizes.items()
+                    raise UserError(
+                        f"{first} is {size[0]}×{size[1]} but {second} is {other[0]}×{other[1]}: "
+                        "set data.image_size (e.g. 64) to resize and centre-crop them all to "
+                        "one square size."
+                    )
+            ((width, height),) = sizes
+            if width != height:
+                raise UserError(
+                    f"The images are {width}×{height}, not square: set data.image_size "
+                    f"(e.g. {min(width, height)}) to resize and centre-crop them."
+                )
+
+    def _samples(self, name: str) -> tuple[list[str], list[tuple[str, int]]]:
+        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+        folder = self.root / name
+        if not folder.is_dir():
+            raise UserError(
+                f"{folder} is not a folder. data=image_folder reads {self.root}/train/<class>/… "
+                f"and {self.root}/test/<class>/…: one folder per class, holding its images."
+            )
+        try:
+            classes, index = find_classes(str(folder))
+            return classes, make_dataset(str(folder), index, IMG_EXTENSIONS)
+        except FileNotFoundError as err:  # no class folder, or one without images
+            raise UserError(
+                f"{folder}: {err}".rstrip(". ") + ". Every class folder needs at least one "
+                "image; remove empty ones."
+            ) from None
+
+    def split(self, name: str) -> Dataset:
+        from torchvision.datasets import ImageFolder as Folder
+
+        dataset = Folder(str(self.root / name), loader=self.load)
+        self.classes = dataset.classes
+        return dataset
+
+    def load(self, path: str) -> torch.Tensor:
+        """One image file as a uint8 tensor C×H×W, converted and resized as configured."""
+        from torchvision.transforms import functional
+
+        try:
+            with Image.open(path) as image:
+                image = image.convert("L" if self.in_channels == 1 else "RGB")
+        except (OSError, UnidentifiedImageError, SyntaxError) as err:
+            raise unreadable(path, err) from None
+        if self.image_size:
+            image = functional.resize(image, self.image_size)  # the shorter side
+            image = functional.center_crop(image, self.image_size)
+        return functional.pil_to_tensor(image)
+
+    def fingerprint(self, dataset: Dataset) -> str:
+        """Changes when a file of the split is added, removed, renamed or rewritten, or when the
+        conversion does: what a cache of its decoded images depends on."""
+        digest = hashlib.sha256(f"{self.in_channels} {self.image_size}".encode())
+        for path, label in dataset.samples:
+            stat = os.stat(path)
+            digest.update(f"{path} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+        return digest.hexdigest()
+
+    def cache_path(self, name: str) -> Path:
+        return self.root / f".{name}-{self.in_channels}x{self.image_size or 'orig'}.cache.pt"
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+def read_header(path: str) -> tuple[int, int]:
+    """An image's width and height, read from its header only."""
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except (OSError, UnidentifiedImageError, SyntaxError) as err:
+        raise unreadable(path, err) from None
+
+
+def unreadable(path: str, err: Exception) -> UserError:
+    return UserError(f"{path} could not be read as an image ({err}). Replace or delete it.")
