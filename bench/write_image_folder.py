@@ -26,12 +26,12 @@ def main() -> None:
     args = parser.parse_args()
     source = IDX(args.root, download=False, torchvision_class=args.torchvision_class)
     for split, count in (("train", args.train), ("test", args.test)):
-        images, labels = source.split(split).tensors()
-        for i, (image, label) in enumerate(zip(images[:count], labels[:count].tolist(), strict=True)):
+        images, labels = (t[:count] for t in source.split(split).tensors())
+        for i, (image, label) in enumerate(zip(images, labels.tolist(), strict=True)):
             folder = args.out / split / f"{label}"
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image[0].numpy(), mode="L").save(folder / f"{i:05d}.png")
-        print(f"{split}: {len(labels[:count])} images in {args.out / split}")
+        print(f"{split}: {len(labels)} images in {args.out / split}")
 
 
 if __name__ == "__main__":
