@@ -170,22 +170,7 @@ class Data:
             max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
         ) if self.augment else None  # fmt: skip
         if self.loader == "torch":
-            collate_empty = functools.partial(collate, shape=self.shape)
-            self.train_loader = DataLoader(
-                self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
-            )
-            shares = {  # every world_size-th image, as the tensor path evaluates
-                split: Subset(
-                    getattr(self, split), range(self.rank, self.size(split), self.world_size)
-                )
-                for split in ("val", "test")
-            }
-            self.eval_loaders = {
-                split: DataLoader(
-                    share, batch_size=self.test_batch_size, collate_fn=collate_empty, **self.workers
-                )
-                for split, share in shares.items()
-            }
+            self._data_loaders()
         log.info(
             "Data: %d training, %d validation (data.val_size) and %d test images of %s from %s",
             self.size("train"),
@@ -194,6 +179,24 @@ class Data:
             "×".join(map(str, self.shape)),
             self.source,
         )
+
+    def _data_loaders(self) -> None:
+        """loader=torch: a DataLoader drawing the training order, and one per evaluated split
+        giving this rank every world_size-th image, as the tensor path does."""
+        collate_empty = functools.partial(collate, shape=self.shape)
+        self.train_loader = DataLoader(
+            self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
+        )
+        shares = {
+            split: Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
+            for split in ("val", "test")
+        }
+        self.eval_loaders = {
+            split: DataLoader(
+                share, batch_size=self.test_batch_size, collate_fn=collate_empty, **self.workers
+            )
+            for split, share in shares.items()
+        }
 
     def _read(self, name: str) -> Split:
         """A split as the loader holds it: decoded into tensors, or the Dataset itself."""

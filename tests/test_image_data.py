@@ -338,14 +338,21 @@ def test_cifar10_is_read_by_torchvisions_class(tmp_path):
     assert torch.equal(data.train[0][0], first)
 
 
-def test_cifar10_files_that_fail_torchvisions_checksums_are_refused(tmp_path):
-    write_cifar(tmp_path)
-    result = train(["data=cifar10", f"data.root={tmp_path}", "data.download=false",
+def test_cifar10_that_cannot_be_read_or_downloaded_says_what_to_do(tmp_path):
+    """Files in its format that fail torchvision's checksums, with data.download=false; then the
+    download, which cannot reach the internet here, staged and cleaned up."""
+    write_cifar(tmp_path / "written")
+    result = train(["data=cifar10", f"data.root={tmp_path / 'written'}", "data.download=false",
                     "logger=none"], tmp_path)  # fmt: skip
     assert result.returncode != 0 and "Traceback" not in printed(result)
     assert "or its files do not match torchvision's checksums), and data.download=false" in (
         printed(result)
     )
+    result = train(["data=cifar10", f"data.root={tmp_path / 'empty'}", "logger=none"], tmp_path)
+    assert result.returncode != 0 and "Traceback" not in printed(result)
+    assert "CIFAR-10 not found in" in printed(result)
+    assert "and the download failed (" in printed(result)
+    assert list((tmp_path / "empty").iterdir()) == []  # the staging folder is gone
 
 
 def test_resnet18_trains_on_cifar10(tmp_path):
@@ -361,3 +368,15 @@ def test_resnet18_trains_on_cifar10(tmp_path):
     assert "Data: 24 training, 6 validation (data.val_size) and 6 test images of 3×32×32" in (
         printed(result)
     )
+
+
+@pytest.mark.unit
+def test_fixed_size_datasets_refuse_another_size_or_channel_count(tiny_data):
+    from src.datasets import CIFAR10, IDX
+
+    with pytest.raises(UserError, match="data.image_size=32, but MNIST images have 28. Leave it"):
+        IDX(str(tiny_data), image_size=32)
+    with pytest.raises(UserError, match="data.in_channels=1, but CIFAR-10 images have 3"):
+        CIFAR10(str(tiny_data), in_channels=1)
+    with pytest.raises(UserError, match="data.in_channels=2: use 1 .grey. or 3 .RGB."):
+        folder_data(tiny_data, in_channels=2)
