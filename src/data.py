@@ -20,6 +20,7 @@ epoch only, never on `parallel=` or the loader.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -121,7 +122,10 @@ class Data:
     ):
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
-        self.source = get_class(dataset)(image_size=image_size, in_channels=in_channels, **options)
+        source = get_class(dataset)
+        takes = inspect.signature(source).parameters
+        shape = {"image_size": image_size, "in_channels": in_channels}  # for those that use them
+        self.source = source(**{k: v for k, v in shape.items() if k in takes}, **options)
         self.loader = loader
         self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
                         "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
@@ -205,7 +209,10 @@ class Data:
             return dataset
         if hasattr(dataset, "tensors"):
             return dataset.tensors()
-        return cached(self.source, name, dataset)
+        if hasattr(self.source, "cache_path"):
+            return cached(self.source, name, dataset)
+        log.info("Decoding the %d %s images of %s into memory", len(dataset), name, self.source)
+        return decode(dataset)
 
     def _hold(self, train: Split, test: Split) -> None:
         """The validation split carved out of `train`; tensors moved to the training device."""
@@ -220,10 +227,9 @@ class Data:
         # Positions in the training split; `subset` takes the first training images among them.
         self.train_index, self.val_index = hold_out(count, self.val_size, self.split_seed)
         self.train_index = self.train_index[: self.subset]
-        if isinstance(train, tuple):
-            train = tuple(t.to(self.device) for t in train)
+        if isinstance(train, tuple):  # cut on the CPU: the device holds each image once
             self.train, self.val = (
-                tuple(t.index_select(0, index.to(self.device)) for t in train)
+                tuple(t.index_select(0, index).to(self.device) for t in train)
                 for index in (self.train_index, self.val_index)
             )
             self.test = tuple(t.to(self.device) for t in test)
@@ -265,8 +271,17 @@ class Data:
                 "the config to skip this",
                 [round(m, 4) for m in mean], [round(s, 4) for s in std], self.size("train"),
             )  # fmt: skip
-            mean, std = self.mean if self.mean is not None else mean, self.std or std
-        mean, std = ([v] if isinstance(v, int | float) else list(v) for v in (mean, std))
+            if not all(std):
+                raise UserError(
+                    f"The training images of {self.source} are all one colour (std {std}): "
+                    "nothing to learn from. Check data.root."
+                )
+            mean = mean if self.mean is None else self.mean  # either may have been given
+            std = std if self.std is None else self.std
+        # One value for every channel, as torchvision's Normalize takes it, or one per channel.
+        mean, std = (
+            [v] * self.in_channels if isinstance(v, int | float) else list(v) for v in (mean, std)
+        )
         if not len(mean) == len(std) == self.in_channels:
             raise UserError(
                 f"data.mean={mean} and data.std={std} need one value per channel: the images "
@@ -281,7 +296,7 @@ class Data:
             loader = DataLoader(
                 split, batch_size=256, collate_fn=collate, num_workers=self.workers["num_workers"]
             )
-            for images, _ in loader:
+            for images, _ in read(loader):
                 yield images
 
     def size(self, split: str) -> int:
@@ -290,11 +305,14 @@ class Data:
         return len(held[1]) if isinstance(held, tuple) else len(held)
 
     def sample(self, split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `count` images of `split` (uint8) and their labels, on the training device."""
+        """`count` images of `split` (uint8), evenly spaced through it (an image folder lists its
+        classes one after another), and their labels, on the training device."""
         held = getattr(self, split)
-        if not isinstance(held, tuple):
-            held = collate([held[i] for i in range(min(count, len(held)))], self.shape)
-        return held[0][:count].to(self.device), held[1][:count].to(self.device)
+        index = torch.linspace(0, self.size(split) - 1, min(count, self.size(split))).long()
+        if isinstance(held, tuple):
+            return tuple(t.index_select(0, index.to(t.device)).to(self.device) for t in held)
+        images, labels = collate([held[i] for i in index.tolist()], self.shape)
+        return images.to(self.device), labels.to(self.device)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -317,7 +335,7 @@ class Data:
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.loader == "torch":
-            for images, labels in self.train_loader:  # pinned memory makes these copies async
+            for images, labels in read(self.train_loader):  # pinned memory: async copies
                 yield (images.to(self.device, non_blocking=True),
                        labels.to(self.device, non_blocking=True))  # fmt: skip
         else:
@@ -329,7 +347,7 @@ class Data:
         """This rank's images of `split` (val or test): every world_size-th one, in batches of
         test_batch_size."""
         if self.loader == "torch":
-            for images, labels in self.eval_loaders[split]:
+            for images, labels in read(self.eval_loaders[split]):
                 yield self.normalise(images.to(self.device)), labels.to(self.device)
             return
         images, labels = getattr(self, split)
@@ -364,7 +382,8 @@ class Augment:
     def __call__(
         self, images: torch.Tensor, epoch: int, step: int, global_size: int
     ) -> torch.Tensor:
-        generator = torch.Generator().manual_seed((self.seed * 100_003 + epoch) * 1_000_003 + step)
+        # A tuple of ints hashes the same in every process (only str hashing is randomised).
+        generator = torch.Generator().manual_seed(hash((self.seed, epoch, step)) & (2**63 - 1))
         shifts = torch.randint(0, 2 * self.pad + 1, (global_size, 2), generator=generator)
         flips = torch.rand(global_size, generator=generator) < 0.5
         shifts, flips = (t[self.rank :: self.world_size].to(images.device) for t in (shifts, flips))
@@ -393,7 +412,7 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
         except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
             log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
     log.info("Decoding the %d %s images of %s into memory", len(dataset), name, source)
-    images, labels = collate([dataset[i] for i in range(len(dataset))], shape=None)
+    images, labels = decode(dataset)
     cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
     try:
         storage.write_atomically(path, lambda file: torch.save(cache, file))
@@ -402,17 +421,34 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
     return images, labels
 
 
+def decode(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of `dataset`, one at a time, into one uint8 tensor and one of labels."""
+    first = dataset[0][0]
+    images = torch.empty(len(dataset), *first.shape, dtype=torch.uint8)
+    labels = torch.empty(len(dataset), dtype=torch.long)
+    for i in range(len(dataset)):
+        image, labels[i] = dataset[i]
+        if image.shape != first.shape:
+            raise UserError(
+                f"Sample {i} of {dataset} is {tuple(image.shape)} and sample 0 "
+                f"{tuple(first.shape)}: the fast path needs one size (data.image_size)."
+            )
+        images[i] = image
+    return images, labels
+
+
 def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[float]]:
-    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale."""
-    total = squares = 0
-    count = 0
+    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale. Summed exactly
+    in integers, so that any batching and any device give the very same values."""
+    total = squares = count = 0
     for images in batches:
-        pixels = images.float().div(255).transpose(0, 1).flatten(1)  # C×(N·H·W)
-        total = total + pixels.sum(1).double().cpu()
-        squares = squares + pixels.square().sum(1).double().cpu()
+        pixels = images.transpose(0, 1).flatten(1).long()  # C×(N·H·W)
+        total = total + pixels.sum(1).cpu()
+        squares = squares + pixels.square().sum(1).cpu()
         count += pixels.shape[1]
-    mean = total / count
-    return mean.tolist(), (squares / count - mean.square()).sqrt().tolist()
+    mean = total.double() / count
+    std = (squares.double() / count - mean.square()).clamp(min=0).sqrt()
+    return (mean / 255).tolist(), (std / 255).tolist()
 
 
 def labels_of(split: Split) -> torch.Tensor | None:
@@ -424,6 +460,15 @@ def labels_of(split: Split) -> torch.Tensor | None:
         return None if labels is None else labels[torch.as_tensor(split.indices, dtype=torch.long)]
     labels = getattr(split, "labels", getattr(split, "targets", None))
     return None if labels is None else torch.as_tensor(labels)
+
+
+def read(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of `loader`; a file a worker could not read is named in one sentence, not
+    in the worker's traceback that DataLoader wraps around it."""
+    try:
+        yield from loader
+    except UserError as err:
+        raise UserError(str(err).rstrip().rsplit("UserError: ", 1)[-1]) from None
 
 
 def collate(

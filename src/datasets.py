@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
@@ -123,8 +125,6 @@ class IDX:
     """An MNIST-style dataset (MNIST, Fashion-MNIST, ...): four IDX files of 28×28 grey images
     and labels, in `root` or torchvision's `root/<Class>/raw`."""
 
-    classes = None  # the label numbers
-
     def __init__(
         self,
         root: str,
@@ -135,6 +135,7 @@ class IDX:
     ):
         check_shape(torchvision_class, image_size, in_channels, 28, 1)
         self.root, self.download, self.torchvision_class = Path(root), download, torchvision_class
+        self.classes = None  # the label numbers
 
     def prepare(self) -> None:
         if find_idx_folder(self.root, self.torchvision_class):
@@ -312,31 +313,32 @@ class ImageFolder:
         self.classes: list[str] | None = None
 
     def prepare(self) -> None:
-        """Check the layout, the classes and, without image_size, that the sizes agree: every
-        mistake found from the file headers, before any image is decoded."""
+        """Check the layout, the classes, that every file opens as an image and, without
+        image_size, that the sizes agree: mistakes found from the file headers, before any
+        image is decoded."""
         train, test = (self._samples(name) for name in ("train", "test"))
         if train[0] != test[0]:
             raise UserError(
                 f"{self.root / 'test'} has the classes {test[0]} but {self.root / 'train'} has "
                 f"{train[0]}: both need the same class folders, one per label."
             )
-        if self.image_size is None:
-            sizes: dict[tuple[int, int], str] = {}
-            for path, _ in train[1] + test[1]:
-                sizes.setdefault(read_header(path), path)
-                if len(sizes) > 1:
-                    (size, first), (other, second) = sizes.items()
-                    raise UserError(
-                        f"{first} is {size[0]}×{size[1]} but {second} is {other[0]}×{other[1]}: "
-                        "set data.image_size (e.g. 64) to resize and centre-crop them all to "
-                        "one square size."
-                    )
-            ((width, height),) = sizes
-            if width != height:
-                raise UserError(
-                    f"The images are {width}×{height}, not square: set data.image_size "
-                    f"(e.g. {min(width, height)}) to resize and centre-crop them."
-                )
+        sizes: dict[tuple[int, int], str] = {}
+        for path, _ in train[1] + test[1]:
+            sizes.setdefault(read_header(path), path)
+        if self.image_size is not None:
+            return
+        if len(sizes) > 1:
+            (size, first), (other, second), *_ = sizes.items()
+            raise UserError(
+                f"{first} is {size[0]}×{size[1]} but {second} is {other[0]}×{other[1]}: set "
+                "data.image_size (e.g. 64) to resize and centre-crop them all to one square size."
+            )
+        ((width, height),) = sizes
+        if width != height:
+            raise UserError(
+                f"The images are {width}×{height}, not square: set data.image_size "
+                f"(e.g. {min(width, height)}) to resize and centre-crop them."
+            )
 
     def _samples(self, name: str) -> tuple[list[str], list[tuple[str, int]]]:
         from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
@@ -369,7 +371,7 @@ class ImageFolder:
 
         try:
             with Image.open(path) as image:
-                image = image.convert("L" if self.in_channels == 1 else "RGB")
+                image = eight_bits(image).convert("L" if self.in_channels == 1 else "RGB")
         except (OSError, UnidentifiedImageError, SyntaxError) as err:
             raise unreadable(path, err) from None
         if self.image_size:
@@ -379,8 +381,13 @@ class ImageFolder:
 
     def fingerprint(self, dataset: Dataset) -> str:
         """Changes when a file of the split is added, removed, renamed or rewritten, or when the
-        conversion does: what a cache of its decoded images depends on."""
-        digest = hashlib.sha256(f"{self.in_channels} {self.image_size}".encode())
+        decoding does (its settings, `load`'s code, Pillow's and torchvision's versions): what a
+        cache of its decoded images depends on."""
+        import PIL
+        import torchvision
+
+        decoding = [self.in_channels, self.image_size, PIL.__version__, torchvision.__version__]
+        digest = hashlib.sha256(f"{decoding} {inspect.getsource(type(self).load)}".encode())
         for path, label in dataset.samples:
             stat = os.stat(path)
             digest.update(f"{path} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
@@ -400,6 +407,14 @@ def read_header(path: str) -> tuple[int, int]:
             return image.size
     except (OSError, UnidentifiedImageError, SyntaxError) as err:
         raise unreadable(path, err) from None
+
+
+def eight_bits(image: Image.Image) -> Image.Image:
+    """A 16-bit grey image scaled to 8 bits; Pillow's convert() would clip it (to white)."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        pixels = np.asarray(image, dtype=np.int64).clip(0, 65535) >> 8
+        return Image.fromarray(pixels.astype(np.uint8), mode="L")
+    return image
 
 
 def unreadable(path: str, err: Exception) -> UserError:

@@ -164,6 +164,12 @@ def _section(cls: type, values: dict[str, Any], **extra: Any) -> Any:
 
 def read_settings(cfg: DictConfig) -> Settings:
     """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
+    for key in cfg.data:  # `???` in the YAML: a value only the user can give
+        if OmegaConf.is_missing(cfg.data, key):
+            raise UserError(
+                f"data.{key} has no value: add data.{key}=... to the command (data=image_folder "
+                "needs data.root=PATH, the folder that holds train/ and test/)."
+            )
     _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
     share = isinstance(val_size, float) and 0 < val_size < 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -63,7 +64,8 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     renamed over `path`, and the rename flushed too. On any failure the partial file is removed
     and `path` is as it was. The folder is held open throughout, so a folder moved meanwhile gets
     the whole file, or nothing, where it now is."""
-    partial, folder = f".{path.name}.partial", None
+    # Its own partial file per process: two machines may write one file of a shared folder.
+    partial, folder = f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial", None
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC

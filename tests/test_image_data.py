@@ -86,8 +86,9 @@ def test_mean_and_std_are_computed_from_the_training_images_and_reported(tmp_pat
     assert "computed from the 13 training images: put them in the config" in caplog.text
     given = ready(folder_data(root, mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25]))
     assert given.normalise.mean == [0.5] * 3
+    assert ready(folder_data(root, mean=0.5, std=0.25)).normalise.std == [0.25] * 3
     with pytest.raises(UserError, match=r"need one value per channel: the images have 3"):
-        ready(folder_data(root, mean=0.5, std=0.25))
+        ready(folder_data(root, mean=[0.5, 0.5], std=0.25))
 
 
 @pytest.mark.unit
@@ -380,3 +381,94 @@ def test_fixed_size_datasets_refuse_another_size_or_channel_count(tiny_data):
         CIFAR10(str(tiny_data), in_channels=1)
     with pytest.raises(UserError, match="data.in_channels=2: use 1 .grey. or 3 .RGB."):
         folder_data(tiny_data, in_channels=2)
+
+
+@pytest.mark.unit
+def test_mean_and_std_do_not_depend_on_the_batching():
+    """Summed exactly: the tensor path (chunks on the device) and loader=torch (DataLoader
+    batches) normalise with the very same values, and a constant channel has a std of 0."""
+    from src.data import mean_and_std
+
+    images = torch.randint(0, 256, (300, 3, 16, 16), dtype=torch.uint8)
+    whole = mean_and_std(iter([images]))
+    assert mean_and_std(iter(images.split(7))) == whole
+    pixels = images.double().div(255)
+    assert whole[0] == pytest.approx(pixels.mean((0, 2, 3)).tolist(), abs=1e-12)
+    assert whole[1] == pytest.approx(pixels.std((0, 2, 3), correction=0).tolist(), abs=1e-12)
+    assert mean_and_std(iter([torch.full((5, 1, 4, 4), 179, dtype=torch.uint8)]))[1] == [0.0]
+
+
+@pytest.mark.unit
+def test_augmentation_takes_any_seed():
+    from src.data import Augment
+
+    images = torch.zeros(4, 1, 8, 8, dtype=torch.uint8)
+    for seed in (0, 2**31 - 1, 10**18):
+        assert Augment(1, seed, 0, 1)(images, epoch=5, step=10**6, global_size=4).shape == (
+            4, 1, 8, 8
+        )  # fmt: skip
+
+
+@pytest.mark.unit
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    root = write_image_folder(tmp_path, {"a": 2, "b": 2}, mode="L")
+    ramp = (np.arange(144, dtype=np.uint16).reshape(12, 12) * 455).astype(np.uint16)
+    Image.fromarray(ramp).save(root / "train" / "a" / "000.png")  # 16-bit grey, 0 to 65065
+    data = ready(folder_data(root, in_channels=1, val_size=0))
+    assert torch.equal(data.train[0][0, 0], torch.from_numpy((ramp >> 8).astype(np.uint8)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("computed", [False, True], ids=["training", "mean-and-std"])
+def test_a_truncated_image_read_by_a_worker_is_named_in_one_sentence(tmp_path, computed):
+    """loader=torch reads the files while training: a file whose header is whole but whose
+    pixels are cut short is named when it is read, without the worker's traceback."""
+    root = write_image_folder(tmp_path, {"a": 6, "b": 6})
+    png = root / "train" / "b" / "003.png"
+    png.write_bytes(png.read_bytes()[:120])
+    given = {} if computed else {"mean": [0.5] * 3, "std": [0.2] * 3}
+    with pytest.raises(UserError) as raised:  # the mean and std read every image, in setup
+        data = ready(folder_data(root, loader="torch", num_workers=1, val_size=0, **given))
+        list(data.train_batches(1))
+    assert str(raised.value).startswith(f"{png} could not be read as an image")
+    assert "Traceback" not in str(raised.value)
+
+
+@pytest.mark.unit
+def test_predictions_show_images_from_every_class(tmp_path):
+    root = write_image_folder(tmp_path, {"a": 40, "b": 40, "c": 40})
+    data = ready(folder_data(root))
+    images, labels = data.sample("test", 32)
+    assert images.shape == (32, 3, 12, 12) and set(labels.tolist()) == {0, 1, 2}
+
+
+class Numbers:
+    """A dataset class of one's own, as the README describes it: prepare(), split(name) and
+    classes, and only the arguments it needs."""
+
+    def __init__(self, root: str, count: int):
+        self.root, self.count, self.classes = root, count, ["even", "odd"]
+
+    def prepare(self) -> None:
+        pass
+
+    def split(self, name: str):
+        return [(torch.full((1, 4, 4), i, dtype=torch.uint8), i % 2) for i in range(self.count)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loader", ["tensor", "torch"])
+def test_a_dataset_class_of_ones_own_needs_only_what_the_readme_says(tmp_path, loader):
+    data = Data(dataset="test_image_data.Numbers", root=str(tmp_path), count=40, loader=loader,
+                mean=0.5, std=0.25, num_classes=None, batch_size=8, test_batch_size=8,
+                subset=None, seed=1, val_size=8, split_seed=0)  # fmt: skip
+    ready(data)
+    assert data.class_names == ["even", "odd"] and data.num_classes == 2
+    assert data.size("train") == 32 and data.shape == (1, 4, 4)
+    assert sum(len(labels) for _, labels, _ in data.train_batches(1)) == 32
+
+
+def test_image_folder_without_a_root_says_what_to_set(tmp_path):
+    result = train(["data=image_folder", "logger=none"], tmp_path)
+    assert result.returncode != 0 and "Traceback" not in printed(result)
+    assert "data.root has no value: add data.root=... to the command" in printed(result)
