@@ -5,15 +5,19 @@ One class per kind of files, named by `dataset:` in its `conf/data/` file:
 
 - `IDX`: MNIST-style files (MNIST, Fashion-MNIST), downloaded with torchvision when missing;
 - `CIFAR10`: torchvision's `CIFAR10` class and files, downloaded when missing;
+- `Torchvision`: any other torchvision dataset of (PIL image, label) samples (SVHN, KMNIST, …);
 - `ImageFolder`: your own images, one folder per class (`train/<class>/…`, `test/<class>/…`).
 
 Each has `prepare()` (find or download the files: one process per machine runs it while the
-others wait), `split(name)` (the `train` or `test` Dataset) and `classes` (the label names, known
-after `split`). `src/data.py` holds the splits in memory and batches them, the same way for all.
+others wait), `split(name)` (the `train` or `test` Dataset) and `classes` (the label names, or
+None, known after `split`). `src/data.py` holds the splits in memory and batches them, the same
+way for all. A class whose images must be decoded one by one may keep them decoded in a cache
+file: it then has `cache_path(split)` and `fingerprint(dataset)`, as `ImageFolder` has.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import importlib
@@ -25,6 +29,7 @@ import shutil
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +41,8 @@ from src import storage
 from src.errors import UserError
 
 log = logging.getLogger(__name__)
+
+Fetch = Callable[[Path], object]  # downloads a dataset into the folder it is given
 
 
 class Tensors(Dataset):
@@ -236,11 +243,107 @@ class CIFAR10:
 
 
 # ---------------------------------------------------------------------------------------------
+# Any other torchvision dataset
+
+
+class Torchvision:
+    """Any torchvision dataset whose samples are (PIL image, label): KMNIST, SVHN, STL10, ….
+    `split_argument` says how the class is asked for a split: `train` (train=True/False, as
+    MNIST's and CIFAR's) or `split` (split="train"/"test", as SVHN's and STL10's). Images are
+    converted and resized as an image folder's (`in_channels`, `image_size`), decoded once."""
+
+    def __init__(
+        self,
+        root: str,
+        torchvision_class: str,
+        download: bool = True,
+        split_argument: str = "train",
+        image_size: int | None = None,
+        in_channels: int = 3,
+    ):
+        if split_argument not in ("train", "split"):
+            raise UserError(f"data.split_argument={split_argument}: use train or split.")
+        self.root, self.torchvision_class, self.download = Path(root), torchvision_class, download
+        self.split_argument, self.image_size, self.in_channels = (
+            split_argument,
+            image_size,
+            in_channels,
+        )
+        self.classes: list[str] | None = None
+
+    def _open(self, name: str, root: Path | None = None, download: bool = False) -> Dataset:
+        asked = {"train": name == "train"} if self.split_argument == "train" else {"split": name}
+        folder = str(root or self.root)
+        return torchvision_dataset(self.torchvision_class)(folder, download=download, **asked)
+
+    def prepare(self) -> None:
+        try:
+            self._open("train"), self._open("test")
+            return
+        except (RuntimeError, OSError):  # torchvision: "Dataset not found or corrupted", …
+            reason = "data.download=false"
+        if self.download:
+            fetch = lambda folder: [self._open(n, folder, True) for n in ("train", "test")]  # noqa: E731
+            reason = download(self.root, self.torchvision_class, "files", "its size", fetch)
+            try:
+                self._open("train"), self._open("test")
+                return
+            except (RuntimeError, OSError):
+                pass
+        raise UserError(
+            f"torchvision's {self.torchvision_class} not found in {self.root}, and {reason}. "
+            "Point data.root at the folder that holds its files as torchvision lays them out, "
+            "or download them there on a machine with internet."
+        )
+
+    def split(self, name: str) -> Dataset:
+        dataset = self._open(name)
+        self.classes = list(dataset.classes) if hasattr(dataset, "classes") else None
+        return Converted(dataset, functools.partial(to_uint8, in_channels=self.in_channels,
+                                                    image_size=self.image_size))  # fmt: skip
+
+    def cache_path(self, name: str) -> Path:
+        size = self.image_size or "orig"
+        return self.root / f".{self.torchvision_class}-{name}-{self.in_channels}x{size}.cache.pt"
+
+    def fingerprint(self, dataset: Dataset) -> str:
+        """What the decoded images depend on: the decoding, and the split's size (torchvision
+        checks its own files)."""
+        import PIL
+        import torchvision
+
+        decoding = [self.in_channels, self.image_size, PIL.__version__, torchvision.__version__]
+        return hashlib.sha256(
+            f"{decoding} {len(dataset)} {inspect.getsource(to_uint8)}".encode()
+        ).hexdigest()
+
+    def __str__(self) -> str:
+        return f"{self.torchvision_class} in {self.root}"
+
+
+class Converted(Dataset):
+    """A dataset of (PIL image, label), its images turned into uint8 tensors by `convert`."""
+
+    def __init__(self, dataset: Dataset, convert: Callable[[Image.Image], torch.Tensor]):
+        self.dataset, self.convert = dataset, convert
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, label = self.dataset[index]
+        return self.convert(image), int(label)
+
+
+# ---------------------------------------------------------------------------------------------
 # Downloads
 
 
-def download(root: Path, torchvision_class: str, what: str, size: str) -> str:
-    """Download with torchvision into `root`; return why it failed, in a few words ('' if not)."""
+def download(
+    root: Path, torchvision_class: str, what: str, size: str, fetch: Fetch | None = None
+) -> str:
+    """Download with torchvision into `root` (`fetch(folder)` downloads into `folder`; by default
+    the class's training split); return why it did not bring the files, in a few words."""
     if why := unwritable(root):
         raise UserError(
             f"{torchvision_class} {what} not found in {root}, and data.root={root} cannot be "
@@ -249,19 +352,24 @@ def download(root: Path, torchvision_class: str, what: str, size: str) -> str:
         )
     log.info("%s not found in %s: downloading it with torchvision", torchvision_class, root)
     try:
-        download_with_torchvision(root, torchvision_class)
+        download_with_torchvision(root, torchvision_class, fetch)
     except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
         return download_failed(err, root, size)
     return "the download did not bring them"
 
 
-def download_with_torchvision(root: Path, torchvision_class: str) -> None:
+def download_with_torchvision(
+    root: Path, torchvision_class: str, fetch: Fetch | None = None
+) -> None:
     """Download with torchvision's class into a folder beside `root`'s files first, then move
     what it wrote in: a download that fails (a full disk, a lost connection) leaves no partial
     file for the next run to read."""
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{torchvision_class}."))  # one per process
     try:
-        torchvision_dataset(torchvision_class)(str(staging), train=True, download=True)
+        if fetch:
+            fetch(staging)
+        else:
+            torchvision_dataset(torchvision_class)(str(staging), train=True, download=True)
         for file in sorted(p for p in staging.rglob("*") if p.is_file()):
             target = root / file.relative_to(staging)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -367,17 +475,12 @@ class ImageFolder:
 
     def load(self, path: str) -> torch.Tensor:
         """One image file as a uint8 tensor C×H×W, converted and resized as configured."""
-        from torchvision.transforms import functional
-
         try:
             with Image.open(path) as image:
-                image = eight_bits(image).convert("L" if self.in_channels == 1 else "RGB")
+                image.load()
+                return to_uint8(image, self.in_channels, self.image_size)
         except (OSError, UnidentifiedImageError, SyntaxError) as err:
             raise unreadable(path, err) from None
-        if self.image_size:
-            image = functional.resize(image, self.image_size)  # the shorter side
-            image = functional.center_crop(image, self.image_size)
-        return functional.pil_to_tensor(image)
 
     def fingerprint(self, dataset: Dataset) -> str:
         """Changes when a file of the split is added, removed, renamed or rewritten, or when the
@@ -387,7 +490,8 @@ class ImageFolder:
         import torchvision
 
         decoding = [self.in_channels, self.image_size, PIL.__version__, torchvision.__version__]
-        digest = hashlib.sha256(f"{decoding} {inspect.getsource(type(self).load)}".encode())
+        code = inspect.getsource(type(self).load) + inspect.getsource(to_uint8)
+        digest = hashlib.sha256(f"{decoding} {code}".encode())
         for path, label in dataset.samples:
             stat = os.stat(path)
             digest.update(f"{path} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
@@ -407,6 +511,18 @@ def read_header(path: str) -> tuple[int, int]:
             return image.size
     except (OSError, UnidentifiedImageError, SyntaxError) as err:
         raise unreadable(path, err) from None
+
+
+def to_uint8(image: Image.Image, in_channels: int, image_size: int | None) -> torch.Tensor:
+    """A PIL image as a uint8 tensor C×H×W: grey (1) or RGB (3), and with `image_size` its
+    shorter side resized to it and its centre cropped square, as torchvision's Resize and
+    CenterCrop do. Per-sample transforms of your own go here."""
+    from torchvision.transforms import functional
+
+    image = eight_bits(image).convert("L" if in_channels == 1 else "RGB")
+    if image_size:
+        image = functional.center_crop(functional.resize(image, image_size), image_size)
+    return functional.pil_to_tensor(image)
 
 
 def eight_bits(image: Image.Image) -> Image.Image:

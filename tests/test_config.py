@@ -86,7 +86,8 @@ def test_optimizers_and_schedulers_build_and_step(optimizer, scheduler):
 def test_data_options(data, tmp_path):
     """Every data option builds the batching and the class that reads its files, whose
     own keys (root, download, ...) it takes from the same file."""
-    cfg = compose_config(f"data={data}", f"data.root={tmp_path}")
+    given = ["data.torchvision_class=KMNIST"] if data == "torchvision" else []  # its `???`
+    cfg = compose_config(f"data={data}", f"data.root={tmp_path}", *given)
     dataset = instantiate(cfg.data)
     assert isinstance(dataset, Data) and dataset.source.root == tmp_path
     assert cfg.data.subset is None and cfg.data.loader == "tensor"

@@ -472,3 +472,27 @@ def test_image_folder_without_a_root_says_what_to_set(tmp_path):
     result = train(["data=image_folder", "logger=none"], tmp_path)
     assert result.returncode != 0 and "Traceback" not in printed(result)
     assert "data.root has no value: add data.root=... to the command" in printed(result)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loader", ["tensor", "torch"])
+def test_any_torchvision_dataset_is_read_through_its_class(tmp_path, loader):
+    """data=torchvision: torchvision's MNIST class (it reads the raw files offline) gives the
+    same images and labels as the template's own IDX reader."""
+    from conftest import make_dataset
+
+    make_dataset(tmp_path / "MNIST" / "raw", gz=False)
+    common = dict(root=str(tmp_path), num_classes=None, mean=0.1307, std=0.3081, batch_size=16,
+                  test_batch_size=32, subset=None, seed=1, val_size=50, split_seed=0)  # fmt: skip
+    generic = ready(Data(dataset="src.datasets.Torchvision", torchvision_class="MNIST",
+                         download=False, in_channels=1, loader=loader, **common))  # fmt: skip
+    own = ready(Data(dataset="src.datasets.IDX", download=False, **{**common, "num_classes": 10}))
+    assert generic.num_classes == 10 and generic.class_names[0] == "0 - zero"
+    assert torch.equal(generic.sample("test", 100)[0], own.sample("test", 100)[0])
+    for (images, labels, _), (images_, labels_, _) in zip(
+        generic.train_batches(1), own.train_batches(1), strict=True
+    ):
+        assert torch.equal(images, images_) and torch.equal(labels, labels_)
+    with pytest.raises(UserError, match="torchvision's KMNIST not found in .*data.download=false"):
+        ready(Data(dataset="src.datasets.Torchvision", torchvision_class="KMNIST",
+                   download=False, in_channels=1, **common))  # fmt: skip
