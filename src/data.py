@@ -361,8 +361,14 @@ class Normalise:
 
     def __init__(self, mean: list[float], std: list[float], device: torch.device):
         self.mean, self.std = mean, std
-        self._mean = torch.tensor(mean, device=device).view(-1, 1, 1)
-        self._std = torch.tensor(std, device=device).view(-1, 1, 1)
+        # One number where every channel has the same: a scalar operation is faster than a
+        # broadcast one (about 5% of an MLP's epoch on a CPU).
+        self._mean, self._std = (
+            values[0]
+            if len(set(values)) == 1
+            else torch.tensor(values, device=device).view(-1, 1, 1)
+            for values in (mean, std)
+        )
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         return images.float().div_(255).sub_(self._mean).div_(self._std)
