@@ -211,8 +211,7 @@ class Data:
             return dataset.tensors()
         if hasattr(self.source, "cache_path"):
             return cached(self.source, name, dataset)
-        log.info("Decoding the %d %s images of %s into memory", len(dataset), name, self.source)
-        return decode(dataset)
+        return decode(dataset, f"{name} images of {self.source}")
 
     def _hold(self, train: Split, test: Split) -> None:
         """The validation split carved out of `train`; tensors moved to the training device."""
@@ -417,8 +416,7 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
             )
         except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
             log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
-    log.info("Decoding the %d %s images of %s into memory", len(dataset), name, source)
-    images, labels = decode(dataset)
+    images, labels = decode(dataset, f"{name} images of {source}")
     cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
     try:
         storage.write_atomically(path, lambda file: torch.save(cache, file))
@@ -427,8 +425,10 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
     return images, labels
 
 
-def decode(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sample of `dataset`, one at a time, into one uint8 tensor and one of labels."""
+def decode(dataset: Dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of `dataset` (`what` it holds, for the log), one at a time, into one uint8
+    tensor and one of labels."""
+    log.info("Decoding the %d %s into memory", len(dataset), what)
     first = dataset[0][0]
     images = torch.empty(len(dataset), *first.shape, dtype=torch.uint8)
     labels = torch.empty(len(dataset), dtype=torch.long)

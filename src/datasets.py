@@ -194,54 +194,6 @@ def torchvision_dataset(name: str) -> type:
     return getattr(importlib.import_module(module), attribute)
 
 
-class CIFAR10:
-    """CIFAR-10: 50,000 training and 10,000 test images, 32×32 colour, 10 classes, read with
-    torchvision's class (which checks the files' checksums) from `root/cifar-10-batches-py`."""
-
-    def __init__(
-        self,
-        root: str,
-        download: bool = True,
-        torchvision_class: str = "CIFAR10",
-        image_size: int | None = None,
-        in_channels: int | None = None,
-    ):
-        check_shape("CIFAR-10", image_size, in_channels, 32, 3)
-        self.root, self.download, self.torchvision_class = Path(root), download, torchvision_class
-        self.classes: list[str] | None = None
-
-    def _open(self, train: bool):
-        return torchvision_dataset(self.torchvision_class)(str(self.root), train=train)
-
-    def prepare(self) -> None:
-        try:
-            self._open(train=True)
-            return
-        except RuntimeError:  # torchvision: "Dataset not found or corrupted"
-            reason = "data.download=false"
-        if self.download:
-            reason = download(self.root, self.torchvision_class, "files", "170 MB")
-            try:
-                self._open(train=True)
-                return
-            except RuntimeError:
-                pass
-        raise UserError(
-            f"CIFAR-10 not found in {self.root / 'cifar-10-batches-py'} (or its files do not "
-            f"match torchvision's checksums), and {reason}. Point data.root at the folder that "
-            "holds cifar-10-batches-py, or download it there on a machine with internet."
-        )
-
-    def split(self, name: str) -> Tensors:
-        dataset = self._open(train=name == "train")
-        self.classes = list(dataset.classes)
-        images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # N×3×32×32
-        return Tensors(images, torch.tensor(dataset.targets, dtype=torch.long))
-
-    def __str__(self) -> str:
-        return str(self.root / "cifar-10-batches-py")
-
-
 # ---------------------------------------------------------------------------------------------
 # Any other torchvision dataset
 
@@ -251,6 +203,8 @@ class Torchvision:
     `split_argument` says how the class is asked for a split: `train` (train=True/False, as
     MNIST's and CIFAR's) or `split` (split="train"/"test", as SVHN's and STL10's). Images are
     converted and resized as an image folder's (`in_channels`, `image_size`), decoded once."""
+
+    download_size: str | None = None  # for the message when the disk fills during a download
 
     def __init__(
         self,
@@ -284,13 +238,17 @@ class Torchvision:
             reason = "data.download=false"
         if self.download:
             fetch = lambda folder: [self._open(n, folder, True) for n in ("train", "test")]  # noqa: E731
-            reason = download(self.root, self.torchvision_class, "files", "its size", fetch)
+            reason = download(self.root, self.torchvision_class, "files", self.download_size, fetch)
             try:
                 self._open("train"), self._open("test")
                 return
             except (RuntimeError, OSError):
                 pass
-        raise UserError(
+        raise self.missing(reason)
+
+    def missing(self, reason: str) -> UserError:
+        """What to do when the files are neither found nor downloaded, and why (`reason`)."""
+        return UserError(
             f"torchvision's {self.torchvision_class} not found in {self.root}, and {reason}. "
             "Point data.root at the folder that holds its files as torchvision lays them out, "
             "or download them there on a machine with internet."
@@ -309,16 +267,45 @@ class Torchvision:
     def fingerprint(self, dataset: Dataset) -> str:
         """What the decoded images depend on: the decoding, and the split's size (torchvision
         checks its own files)."""
-        import PIL
-        import torchvision
-
-        decoding = [self.in_channels, self.image_size, PIL.__version__, torchvision.__version__]
-        return hashlib.sha256(
-            f"{decoding} {len(dataset)} {inspect.getsource(to_uint8)}".encode()
-        ).hexdigest()
+        return decoding(self.in_channels, self.image_size, len(dataset)).hexdigest()
 
     def __str__(self) -> str:
         return f"{self.torchvision_class} in {self.root}"
+
+
+class CIFAR10(Torchvision):
+    """CIFAR-10: 50,000 training and 10,000 test images, 32×32 colour, 10 classes, read with
+    torchvision's class (which checks the files' checksums) from `root/cifar-10-batches-py`.
+    Its images come as one array, handed over whole rather than one PIL image at a time."""
+
+    download_size = "170 MB"
+
+    def __init__(
+        self,
+        root: str,
+        download: bool = True,
+        torchvision_class: str = "CIFAR10",
+        image_size: int | None = None,
+        in_channels: int | None = None,
+    ):
+        check_shape("CIFAR-10", image_size, in_channels, 32, 3)
+        super().__init__(root, torchvision_class, download, in_channels=3)
+
+    def missing(self, reason: str) -> UserError:
+        return UserError(
+            f"CIFAR-10 not found in {self} (or its files do not match torchvision's checksums), "
+            f"and {reason}. Point data.root at the folder that holds cifar-10-batches-py, or "
+            "download it there on a machine with internet."
+        )
+
+    def split(self, name: str) -> Tensors:
+        dataset = self._open(name)
+        self.classes = list(dataset.classes)
+        images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # N×3×32×32
+        return Tensors(images, torch.tensor(dataset.targets, dtype=torch.long))
+
+    def __str__(self) -> str:
+        return str(self.root / "cifar-10-batches-py")
 
 
 class Converted(Dataset):
@@ -340,7 +327,7 @@ class Converted(Dataset):
 
 
 def download(
-    root: Path, torchvision_class: str, what: str, size: str, fetch: Fetch | None = None
+    root: Path, torchvision_class: str, what: str, size: str | None, fetch: Fetch | None = None
 ) -> str:
     """Download with torchvision into `root` (`fetch(folder)` downloads into `folder`; by default
     the class's training split); return why it did not bring the files, in a few words."""
@@ -388,14 +375,14 @@ def unwritable(folder: Path) -> str | None:
         return err.strerror or str(err)
 
 
-def download_failed(err: Exception, root: Path, size: str) -> str:
+def download_failed(err: Exception, root: Path, size: str | None) -> str:
     """Why a download failed, in a few words; a full disk stops the run with its own message."""
     if isinstance(err, OSError) and err.errno in storage.FULL:
         reason, fix = storage.FULL[err.errno]
+        takes = f": the dataset takes about {size}" if size else ""
         raise UserError(
             f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
-            f"download is removed. {fix}, or set data.root to a folder with room: the dataset "
-            f"takes about {size}."
+            f"download is removed. {fix}, or set data.root to a folder with room{takes}."
         ) from None
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
     return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
@@ -486,12 +473,7 @@ class ImageFolder:
         """Changes when a file of the split is added, removed, renamed or rewritten, or when the
         decoding does (its settings, `load`'s code, Pillow's and torchvision's versions): what a
         cache of its decoded images depends on."""
-        import PIL
-        import torchvision
-
-        decoding = [self.in_channels, self.image_size, PIL.__version__, torchvision.__version__]
-        code = inspect.getsource(type(self).load) + inspect.getsource(to_uint8)
-        digest = hashlib.sha256(f"{decoding} {code}".encode())
+        digest = decoding(self.in_channels, self.image_size, inspect.getsource(type(self).load))
         for path, label in dataset.samples:
             stat = os.stat(path)
             digest.update(f"{path} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
@@ -523,6 +505,16 @@ def to_uint8(image: Image.Image, in_channels: int, image_size: int | None) -> to
     if image_size:
         image = functional.center_crop(functional.resize(image, image_size), image_size)
     return functional.pil_to_tensor(image)
+
+
+def decoding(*settings: object) -> hashlib._Hash:
+    """A digest of how images are decoded: `settings`, `to_uint8`'s code, and the versions of
+    Pillow and torchvision. A cache of decoded images is read only while it is unchanged."""
+    import PIL
+    import torchvision
+
+    versions = [PIL.__version__, torchvision.__version__]
+    return hashlib.sha256(f"{list(settings)} {versions} {inspect.getsource(to_uint8)}".encode())
 
 
 def eight_bits(image: Image.Image) -> Image.Image:

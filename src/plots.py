@@ -51,8 +51,9 @@ def curves(records: list[dict[str, Any]], path: Path) -> Path:
 
 @torch.inference_mode()
 def predictions(model: nn.Module, data: Data, run_dir: Path, count: int = 32) -> Path:
-    """The first `count` test images, each labelled with the predicted and the true label; the
-    wrong ones in red. One image of them all, not one plot each: a second faster to draw."""
+    """`count` test images, spread over the split, each labelled with the predicted and the true
+    label; the wrong ones in red. One image of them all, not one plot each: a second faster to
+    draw."""
     import matplotlib.pyplot as plt
 
     model.eval()
