@@ -57,6 +57,14 @@ class Process:
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (the same shape on each), in rank order."""
+        if self.mode != "ddp":
+            return [tensor]
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return gathered
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank."""
         if self.mode != "ddp":

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src import checkpoint, distributed, plots, storage
+from src import checkpoint, distributed, drift, plots, storage
 from src.checkpoint import Checkpointer, Parts
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
@@ -63,6 +63,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
         with open_logger(cfg, run_dir, process, resumed) as logger:  # finishes wandb on every exit
             data = instantiate(cfg.data)
             data.setup(process)
+            if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
+                drift.check_first_batch(data, process)
 
             model = build_model(cfg, trainer, process, weights, data)
             if cfg.train:
@@ -137,6 +139,7 @@ def build_model(
     model = instantiate(cfg.model, **found).to(process.device)
     if weights:
         checkpoint.load_model(model, *weights)
+    drift.check_start(model, process)  # under DDP: every rank's weights are rank 0's
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return distributed.wrap(channels_last_and_compile(model, trainer), cfg, process)

@@ -140,6 +140,9 @@ class Settings:
     checkpoint: Checkpointing
     train: bool = True
     validates: bool = True  # data.val_size > 0: a validation split is held out
+    # DDP: compare the ranks' parameters before each validation and save ("eval"), also every
+    # N steps (N), or never (None); see parallel.check_sync_every_n_steps.
+    check_sync: int | str | None = None
 
     def __post_init__(self) -> None:
         selects = self.train and self.validates
@@ -206,6 +209,14 @@ def read_settings(cfg: DictConfig) -> Settings:
             "ckpt_path is the checkpoint to evaluate with train=false. To continue training from "
             "it use resume=PATH; to start from its weights, init_from=PATH."
         )
+    check_sync = cfg.parallel.get("check_sync_every_n_steps")
+    steps = isinstance(check_sync, int) and not isinstance(check_sync, bool) and check_sync >= 1
+    if not (steps or check_sync in (None, "eval")):
+        _refuse(
+            "parallel.check_sync_every_n_steps",
+            check_sync,
+            "eval (before each validation and save), N of 1 or more (also every N steps) or null",
+        )
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer["precision"] = str(trainer["precision"])  # 32 and 16 come from YAML as numbers
     return Settings(
@@ -213,4 +224,5 @@ def read_settings(cfg: DictConfig) -> Settings:
         checkpoint=_section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True)),
         train=cfg.train,
         validates=val_size > 0,
+        check_sync=check_sync if cfg.parallel.mode == "ddp" else None,
     )

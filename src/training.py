@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from src import checkpoint
+from src import checkpoint, drift
 from src.checkpoint import Best, Checkpointer, Parts, Progress
 from src.data import Data
 from src.distributed import Process, unwrap
@@ -169,7 +169,7 @@ def fit(
     if trainer.warmup_steps:
         warm_up(parts, data, process, trainer, logger, progress.step)
     with StopSignals() as signals, profiler(trainer.profile, run_dir, process) as profile:
-        watch = Watch(process, trainer, logger, signals, checkpointer)
+        watch = Watch(process, trainer, logger, signals, checkpointer, settings.check_sync)
         while not (why := why_finished(progress, trainer)):
             speed = train_epoch(parts, data, process, trainer, progress, watch, profile)
             watch.check(progress, parts.model)  # nothing non-finite is validated or saved
@@ -323,7 +323,8 @@ class Watch:
     The losses stay on the device until a logging step (`trainer.log_every_n_steps`), a save or
     the epoch's end; then one all-reduce gives every rank the global loss, whether any rank's
     loss was not finite since the last check (the run stops, on every rank, before anything is
-    saved) and whether any rank received a stop signal.
+    saved) and whether any rank received a stop signal. Under DDP, `check_sync` compares the
+    ranks' parameters before each validation and save ("eval"), also every N steps (N).
     """
 
     def __init__(
@@ -333,9 +334,10 @@ class Watch:
         logger: MetricsLogger | None,
         signals: StopSignals,
         checkpointer: Checkpointer,
+        check_sync: int | str | None = None,
     ):
         self.process, self.trainer, self.logger, self.signals = process, trainer, logger, signals
-        self.checkpointer = checkpointer
+        self.checkpointer, self.check_sync = checkpointer, check_sync
         self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
         self.stop = False
 
@@ -352,6 +354,8 @@ class Watch:
                 self.logger.log(record)
         elif self.process.world_size == 1:  # no other rank to agree with: stop after this step
             self.stop = bool(self.signals.received)
+        if isinstance(self.check_sync, int) and progress.step % self.check_sync == 0:
+            self.in_sync(progress, self.checkpointer.parts.model)
 
     def check(self, progress: Progress, weights: nn.Module | None = None) -> float:
         """Agree with the other ranks on the losses since the last check (and on the `weights`,
@@ -375,7 +379,13 @@ class Watch:
             raise non_finite(f"the training loss was not finite at step {first}", self)
         if bad_weights:
             raise non_finite(f"the weights were not finite after step {progress.step}", self)
+        if weights is not None and self.check_sync is not None:
+            self.in_sync(progress, weights)
         return loss_sum / self.process.world_size
+
+    def in_sync(self, progress: Progress, weights: nn.Module) -> None:
+        """The drift guard: stop every rank if the ranks' parameters are no longer equal."""
+        drift.check_in_sync(unwrap(weights), self.process, progress.step, intact(self))
 
     def save(self, progress: Progress) -> None:
         """`last.pt` now, once the losses and the weights are checked to be finite."""
@@ -395,17 +405,21 @@ def finite(tensors: Iterable[torch.Tensor]) -> bool:
     return not checks or bool(torch.stack(checks).all())
 
 
+def intact(watch: Watch) -> str:
+    """What is saved from before a stop: the checkpoint written last, if any."""
+    kept = watch.checkpointer.kept
+    return f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
+
+
 def non_finite(what: str, watch: Watch) -> NonFiniteLoss:
     """The one sentence a NaN or an infinity stops the run with."""
-    kept = watch.checkpointer.kept
-    intact = f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
     clip = watch.trainer.gradient_clip_val
     tries = ["a lower optimizer.lr"]
     tries.append("trainer.gradient_clip_val=1.0" if clip is None else "a lower gradient_clip_val")
     if watch.trainer.precision != "32":
         tries.append("trainer.precision=32")
     return NonFiniteLoss(
-        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact}). "
+        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(watch)}). "
         f"Try {', '.join(tries[:-1])} or {tries[-1]}."
     )
 

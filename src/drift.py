@@ -1,0 +1,138 @@
+"""The drift guard: DDP's ranks train one model, checked rather than assumed.
+
+DDP keeps its copies of the model equal by construction only: every rank starts from the same
+weights, trains on its own part of the same global batch and applies the same averaged gradients.
+Nothing notices when that breaks (a model built differently on one rank, a checkpoint or data
+files that differ between machines, a weight changed outside the optimizer step on one rank):
+each rank then trains a model of its own, and rank 0's checkpoint is one of several. So, under
+DDP, with one collective each:
+
+- `check_start`: before DDP copies rank 0's weights over the others' (which would hide the
+  difference), every rank's weights and buffers equal rank 0's;
+- `check_first_batch`: the ranks' shares of the first global batch are disjoint, make up that
+  batch, and hold the same labels on every rank;
+- `check_in_sync`: during training (`parallel.check_sync_every_n_steps`), the parameters still
+  equal rank 0's.
+
+Tensors are compared by a fingerprint, the sum of each tensor's bit patterns read as integers:
+exact (integer sums do not depend on their order, on any device), one number per tensor,
+computed where the tensor lives.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+from hydra.errors import CompactHydraException
+from torch import nn
+
+from src.distributed import Process
+from src.errors import UserError
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
+
+
+class Drifted(CompactHydraException):
+    """The DDP ranks' parameters stopped being equal during training."""
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's bits summed as int64: equal for equal tensors, and changed by a change in
+    any element (short of another change that cancels it exactly)."""
+    return [
+        t.detach().contiguous().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors
+    ]
+
+
+def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """The tensors of `named` (the same names, in the same order, on every rank) that differ
+    from rank 0's somewhere: each name, in `named`'s order, with the first rank where it does."""
+    if process.mode != "ddp" or not named:
+        return {}
+    mine = torch.stack(fingerprint(tensor for _, tensor in named))
+    ranks = torch.stack(process.all_gather(mine))  # ranks × tensors
+    differs = (ranks != ranks[0]).cpu()
+    return {
+        named[i][0]: int(differs[:, i].nonzero()[0])
+        for i in differs.any(dim=0).nonzero().flatten().tolist()
+    }
+
+
+def check_start(model: nn.Module, process: Process) -> None:
+    """Every rank's parameters and buffers, before DDP wraps the model, are rank 0's."""
+    if process.mode != "ddp":
+        return
+    named = [*model.named_parameters(), *model.named_buffers()]
+    mine = ([name for name, _ in named], torch.stack(fingerprint(t for _, t in named)).tolist())
+    (names, sums), *others = process.all_gather_object(mine)
+    for rank, (their_names, their_sums) in enumerate(others, start=1):
+        if their_names != names:
+            raise UserError(
+                f"DDP rank {rank} built another model than rank 0 (other parameters or buffers: "
+                f"{sorted(set(their_names) ^ set(names))[:3]}). Build the same model on every "
+                "rank: nothing in it may depend on the rank or the machine."
+            )
+        if their_sums != sums:
+            first = next(n for n, a, b in zip(names, sums, their_sums, strict=True) if a != b)
+            raise UserError(
+                f"DDP rank {rank} starts from other weights than rank 0 ({first} differs). DDP "
+                "would copy rank 0's over them and hide whatever made them differ: a seed that "
+                "depends on the rank, or a checkpoint (init_from, resume) that differs between "
+                "machines. Build the model alike on every rank (src/run.py seeds cfg.seed before "
+                "building it), from the same checkpoint file."
+            )
+
+
+def check_first_batch(data, process: Process) -> None:
+    """The ranks' shares of epoch 1's first global batch are disjoint, make up that batch, and
+    every rank reads the same labels for them: no image trained twice or left out, and no
+    machine with other data files."""
+    if process.mode != "ddp":
+        return
+    from src.data import labels_of
+
+    sampler = copy.copy(data.sampler)
+    sampler.set_epoch(1)
+    share = next(sampler.index_batches())
+    labels = labels_of(data.train)  # None for a dataset that reads them image by image only
+    read = [] if labels is None else labels[share.to(labels.device)].tolist()
+    mine = (data.size("train"), share.tolist(), read)
+    everyone = process.all_gather_object(mine)
+    sizes = [size for size, _, _ in everyone]
+    if len(set(sizes)) > 1:
+        raise UserError(
+            f"The DDP ranks hold different training splits ({sizes} images, in rank order): "
+            "every machine needs the same data files in data.root."
+        )
+    batch = sampler.permutation()[: data.batch_size].tolist()
+    taken = [index for _, indices, _ in everyone for index in indices]
+    if sorted(taken) != sorted(batch):
+        twice = sorted({i for i in taken if taken.count(i) > 1})
+        missing = sorted(set(batch) - set(taken))
+        raise UserError(
+            f"The DDP ranks' shares of the first global batch overlap (images {twice[:5]} are in "
+            f"two shares) or leave images out ({missing[:5]}): each rank must take its own part "
+            "of every batch. Check changes to GlobalBatchSampler in src/data.py."
+        )
+    for rank, (_, indices, their_labels) in enumerate(everyone if labels is not None else ()):
+        ours = labels[torch.tensor(indices, dtype=torch.long, device=labels.device)].tolist()
+        if ours != their_labels:
+            raise UserError(
+                f"DDP rank {rank} reads other labels for its share of the first batch than rank "
+                f"{process.rank} does: the machines have different data files. Give every "
+                "machine the same data in data.root."
+            )
+
+
+def check_in_sync(model: nn.Module, process: Process, step: int, kept: str) -> None:
+    """Stop every rank when a parameter differs from rank 0's; `kept` says what is saved."""
+    if drifted := differing(process, list(model.named_parameters())):
+        name, rank = next(iter(drifted.items()))
+        raise Drifted(
+            f"Stopped at step {step}: DDP rank {rank}'s {name} differs from rank 0's, so the "
+            f"ranks no longer train one model, and nothing after it was saved ({kept}). Some "
+            "code changes weights outside the optimizer step, on some ranks only: run python "
+            "train.py debug=equivalence with this run's overrides to find it."
+        )

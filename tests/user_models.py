@@ -1,0 +1,49 @@
+"""Models a user might write, each with one flaw that makes DDP train something else than one
+process does. Runs import them by `model._target_=user_models.<Name>` with tests/ on PYTHONPATH;
+each takes the MLP's keys (conf/model/mlp.yaml)."""
+
+import os
+
+import torch
+from torch import nn
+
+from src.models import MLP
+
+
+class UnusedBranch(MLP):
+    """A head that forward never calls: its parameters get no gradient."""
+
+    def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
+        super().__init__(in_channels, image_size, hidden, num_classes)
+        self.aux_head = nn.Linear(hidden, num_classes)
+
+
+class Noisy(MLP):
+    """Gaussian noise on the input while training: randomness that is not a dropout layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x + 0.5 * torch.randn_like(x)
+        return super().forward(x)
+
+
+class Drifting(MLP):
+    """On DDP rank 1 only, its third training forward nudges a weight outside autograd."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 3 and os.environ.get("RANK") == "1":
+                with torch.no_grad():
+                    self.fc2.bias[0] += 0.01
+        return super().forward(x)
+
+
+class RankSeeded(MLP):
+    """Built from a seed that depends on the DDP rank: each rank starts from its own weights."""
+
+    def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
+        torch.manual_seed(int(os.environ.get("RANK", 0)))
+        super().__init__(in_channels, image_size, hidden, num_classes)
