@@ -6,6 +6,7 @@
     python train.py parallel=ddp parallel.nproc_per_node=4    # the same, processes started here
     python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn    # a Hydra sweep
     python train.py train=false ckpt_path=PATH                # evaluate a checkpoint
+    python train.py debug=equivalence model=cnn               # does DDP train it as one process?
 
 Every knob is in conf/; `python train.py --help` lists them. This file picks how the run is
 launched; the run itself, top to bottom, is `train` in src/run.py.
@@ -18,13 +19,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from src import launch
+from src import equivalence, launch
 from src.run import train
 from src.settings import read_settings
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    if cfg.get("debug", {}).get("equivalence"):  # debug=equivalence: compare, don't train
+        return equivalence.check(cfg)
     if launch.starts_workers_here(
         cfg
     ):  # parallel=ddp without torchrun: start the DDP processes here

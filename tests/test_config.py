@@ -186,6 +186,14 @@ def test_every_yaml_key_has_a_comment():
             "static_graph=true cannot skip the all-reduce of accumulated micro-batches",
         ),
         ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is not allowed: use null"),
+        (
+            "parallel=ddp parallel.check_sync_every_n_steps=0",
+            "parallel.check_sync_every_n_steps=0 is not allowed: use eval .before each validation",
+        ),
+        (
+            "parallel=ddp parallel.check_sync_every_n_steps=often",
+            "parallel.check_sync_every_n_steps=often is not allowed",
+        ),
         ("parallel.sync_batchnorm=true", "parallel=none trains in one: use parallel=ddp"),
         pytest.param(
             "parallel=ddp parallel.sync_batchnorm=true",
@@ -217,6 +225,9 @@ def test_values_training_cannot_use_are_refused(override, message):
         "debug=fast",
         "debug=profile",
         "debug=overfit",
+        "debug=equivalence",
+        "parallel=ddp parallel.check_sync_every_n_steps=5",
+        "parallel=ddp parallel.check_sync_every_n_steps=null",
         "experiment=examples_mnist",
         "hparams_search=optuna",
     ],

@@ -1,0 +1,390 @@
+"""`python train.py debug=equivalence <your overrides>`: does DDP train your config exactly as one
+process does?
+
+It trains `debug.steps` optimizer steps of the config as composed (model, optimizer, schedule,
+precision, batches) in up to four layouts, from the same initial weights on the same global
+batches: one process (the reference), one process in micro-batches (gradient accumulation), 2
+DDP processes, and 2 DDP processes in micro-batches. Then it evaluates each layout's weights on
+the validation and test splits, prints a table and a verdict, and exits 1 when a layout differs
+from the reference by more than float rounding, with the likely causes it can see. The DDP
+processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there are 2.
+
+Dropout layers are switched off in every layout: each process draws its own masks, so with
+them no two layouts could agree. Randomness of any other kind is one of the causes named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from dataclasses import field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra.errors import CompactHydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from src import checkpoint, distributed, drift, launch
+from src.errors import UserError
+from src.settings import Trainer, read_settings
+from src.training import autocast, configure_kernels, evaluate, train_step
+
+log = logging.getLogger("equivalence")
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PROCESSES = 2
+# Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
+# last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
+# float32 within 3e-7 (see the README); a real difference (BatchNorm on half a batch, a skipped
+# sample) is 1e-3 or more. bfloat16 and float16 round at 4e-3 and 5e-4 from the start.
+TOLERANCE = {"32": 1e-5, "bf16": 3e-2, "16": 1e-2}
+
+
+class NotEquivalent(CompactHydraException):
+    """A layout trained something else than one process did (Hydra prints the message, exit 1)."""
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one layout did."""
+
+    losses: list[float] = field(default_factory=list)  # each step's loss over its global batch
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # at the end, on the CPU
+    evals: dict[str, dict] = field(default_factory=dict)  # val / test: evaluate()'s, and size
+    no_grad: list[str] = field(default_factory=list)  # parameters without a gradient, step 1
+    rank_buffers: list[str] = field(default_factory=list)  # buffers the ranks differ in, step 1
+    drifted: tuple[int, str, int] | None = None  # (step, parameter, rank): ranks differ there
+    failed: str | None = None  # the error that ended its training early, and its step
+
+
+def check(cfg: DictConfig) -> None:
+    """Train the layouts, print the table and the verdict; raise NotEquivalent if they differ."""
+    if launch.under_torchrun() or "RANK" in os.environ:
+        raise UserError(
+            "debug=equivalence starts its own DDP processes: run python train.py "
+            "debug=equivalence ... without torchrun."
+        )
+    settings = read_settings(cfg)
+    batch_size, micro = cfg.data.batch_size, settings.trainer.accumulate_grad_batches
+    if batch_size % PROCESSES:
+        raise UserError(
+            f"debug=equivalence splits each global batch over {PROCESSES} DDP processes, and "
+            f"data.batch_size={batch_size} does not split in {PROCESSES}: use an even one."
+        )
+    micro = micro if micro > 1 else 2  # the user's own accumulation, else 2 micro-batches
+    micro = micro if batch_size // PROCESSES >= micro else None  # each share splits that far
+    gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
+    device = "cuda" if gpus else "cpu"
+    steps, tolerance = cfg.debug.steps, cfg.debug.tolerance or TOLERANCE[settings.trainer.precision]
+    log.info(
+        "Training %d steps in each layout, dropout off, on %s (%s)",
+        steps, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
+    )  # fmt: skip
+    one = layout_config(cfg, device, micro, "none")
+    reference, *accumulated = traces(one, settings.trainer)
+    ddp = launch.start_workers(ddp_traces, layout_config(cfg, device, micro, "ddp"))
+    layouts = dict(zip(layout_names(micro), [reference, *accumulated, *ddp], strict=True))
+    rows = {name: compare(trace, reference, steps) for name, trace in layouts.items()}
+    log.info("\n%s", table(rows, reference))
+    differ = [name for name, row in rows.items() if not row.within(tolerance)]
+    if not differ:
+        log.info(
+            "Equivalent: every layout trains this config as one process does, within %s "
+            "rounding (tolerance %.0e): %s only the speed.",
+            precision_name(settings.trainer), tolerance,
+            "parallel=ddp and trainer.accumulate_grad_batches change" if micro
+            else "parallel=ddp changes",
+        )  # fmt: skip
+        return
+    causes = likely_causes(one, settings.trainer, layouts, differ)
+    raise NotEquivalent(
+        f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
+        f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
+    )
+
+
+def layout_names(micro: int | None) -> list[str]:
+    """The layouts, in the order they are traced: each process count, then with micro-batches."""
+    names = []
+    for processes in ("1 process", f"{PROCESSES} DDP processes"):
+        names += [processes] + ([f"{processes} × {micro} micro-batches"] if micro else [])
+    names[0] += " (reference)"
+    return names
+
+
+def layout_config(cfg: DictConfig, device: str, micro: int | None, mode: str) -> DictConfig:
+    """The user's config on `device`, in one process (`mode=none`) or 2 DDP processes, with
+    their DDP settings if they chose parallel=ddp, and the layouts' micro-batches."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    parallel = OmegaConf.load(CONF / "parallel" / f"{mode}.yaml")
+    if mode == "ddp" and cfg.parallel.mode == "ddp":
+        parallel = OmegaConf.merge(parallel, cfg.parallel)
+    parallel.nproc_per_node = PROCESSES if mode == "ddp" else None
+    config.update(device=device, parallel=OmegaConf.to_container(parallel))
+    config["debug"]["micro_batches"] = micro
+    return OmegaConf.create(config)
+
+
+def ddp_traces(cfg: DictConfig, run_dir: Path) -> list[Trace]:
+    """One DDP process (started by `launch.start_workers`): its layouts' traces."""
+    trainer = read_settings(cfg).trainer
+    configure_kernels(trainer)
+    process = distributed.setup(cfg, trainer)
+    try:
+        return traces(cfg, trainer, process)
+    finally:
+        distributed.teardown()
+
+
+def traces(
+    cfg: DictConfig, trainer: Trainer, process: distributed.Process | None = None
+) -> list[Trace]:
+    """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
+    if process is None:  # the reference, in this process
+        configure_kernels(trainer)
+        process = distributed.Process(device=distributed.pick_device(cfg.device))
+    data = instantiate(cfg.data)
+    data.setup(process)
+    weights = checkpoint.find_weights(cfg, process)  # init_from, where the config has one
+    micro = cfg.debug.micro_batches
+    layouts = [trainer] + (
+        [dataclasses.replace(trainer, accumulate_grad_batches=micro)] * bool(micro)
+    )
+    return [trace(cfg, layout, process, data, weights) for layout in layouts]
+
+
+def trace(cfg: DictConfig, trainer: Trainer, process, data, weights) -> Trace:
+    """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
+    epoch), watching what makes layouts differ; evaluate the weights it ends with."""
+    from src.run import build_model, build_parts
+
+    model = build_model(cfg, trainer, process, weights, data)
+    parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, None)
+    model.train()
+    dropout_off(model)
+    result = Trace()
+    try:
+        steps = itertools.islice(batches(data, parts, trainer), cfg.debug.steps)
+        for step, (images, labels, size) in enumerate(steps, start=1):
+            loss, _ = train_step(parts, images, labels, size, process, trainer)
+            if trainer.step_interval:
+                parts.scheduler.step()
+            result.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
+            look(result, distributed.unwrap(model), process, step)
+    except RuntimeError as err:  # DDP refusing the model, mostly: reported as a cause
+        first = str(err).strip().split(". ")[0].rstrip(".")  # DDP's first sentence says it
+        result.failed = f"step {len(result.losses) + 1}: {first}"
+    for split in ("val", "test"):
+        if data.size(split):
+            metrics = evaluate(model, data, split, process, trainer)
+            result.evals[split] = {**metrics, "size": data.size(split)}
+    state = distributed.unwrap(model).state_dict()
+    result.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+    return result
+
+
+def look(result: Trace, model: nn.Module, process, step: int) -> None:
+    """After `step`, what makes layouts differ: parameters without a gradient and buffers that
+    differ between the ranks (after the first step), parameters that differ between the ranks."""
+    if step == 1:
+        result.no_grad = [
+            name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
+        ]
+        result.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
+    if result.drifted is None:
+        found = drift.differing(process, list(model.named_parameters()))
+        result.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+
+
+def batches(data, parts, trainer: Trainer):
+    """The training batches, epoch after epoch; an epoch-interval schedule steps between them."""
+    for epoch in itertools.count(1):
+        yield from data.train_batches(epoch)
+        if not trainer.step_interval:
+            parts.scheduler.step()
+
+
+def dropout_off(model: nn.Module) -> None:
+    """Dropout layers pass everything: each process would draw its own masks."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.eval()
+
+
+@dataclasses.dataclass
+class Difference:
+    """How far a layout is from the reference: the largest relative loss difference of any step
+    (and its step), the largest weight difference relative to the largest weight (and where), the
+    difference in correct predictions and the largest relative loss difference of each evaluated
+    split."""
+
+    loss: tuple[float, int | None]
+    weight: tuple[float, str | None]
+    correct: dict[str, int]
+    eval_loss: float
+    failed: str | None  # the layout's error, if training stopped early
+    complete: bool  # it trained every step
+
+    def within(self, tolerance: float) -> bool:
+        return (
+            self.complete
+            and max(self.loss[0], self.weight[0], self.eval_loss) <= tolerance
+            and not any(self.correct.values())
+        )
+
+
+def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
+    """How far `trace` is from the reference."""
+    pairs = zip(trace.losses, reference.losses, strict=False)
+    loss = max(
+        ((abs(a - b) / max(abs(b), 1e-12), step) for step, (a, b) in enumerate(pairs, 1)),
+        default=(0.0, None),
+    )
+    scale = max(1.0, *(t.abs().max().item() for t in reference.weights.values() if t.numel()))
+    weight = max(
+        (
+            ((a.double() - b.double()).abs().max().item() / scale, name)
+            for name, a in trace.weights.items()
+            if (b := reference.weights[name]).is_floating_point() and a.numel()
+        ),
+        default=(0.0, None),
+    )
+    evals = reference.evals
+    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"] for s, m in trace.evals.items()}
+    eval_loss = max(
+        (abs(m[f"{s}/loss"] / evals[s][f"{s}/loss"] - 1) for s, m in trace.evals.items()),
+        default=0.0,
+    )
+    complete = len(trace.losses) == steps and trace.failed is None
+    return Difference(loss, weight, correct, eval_loss, trace.failed, complete)
+
+
+def table(rows: dict[str, Difference], reference: Trace) -> str:
+    """The layouts' differences side by side, under the reference's correct predictions."""
+    splits = list(reference.evals)
+    header = ["layout", "loss (step)", "weights (where)"] + [f"{s} correct" for s in splits]
+    lines = [header]
+    for name, row in rows.items():
+        if name.endswith("(reference)"):
+            counts = [f"{reference.evals[s][f'{s}/correct']}/{reference.evals[s]['size']}"
+                      for s in splits]  # fmt: skip
+            lines.append([name, "-", "-", *counts])
+            continue
+        (loss, step), (weight, where) = row.loss, row.weight
+        counts = [f"{row.correct.get(s, 0):+d}" for s in splits]
+        loss_text = f"{loss:.1e} ({step})"
+        if row.failed:
+            loss_text = f"failed at {row.failed.split(':')[0]}"
+        lines.append([name, loss_text, f"{weight:.1e} ({where})", *counts])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def precision_name(trainer: Trainer) -> str:
+    return {"32": "float32", "bf16": "bfloat16", "16": "float16"}[trainer.precision]
+
+
+def likely_causes(
+    cfg: DictConfig, trainer: Trainer, layouts: dict[str, Trace], differ: list[str]
+) -> list[str]:
+    """What could make the layouts `differ`, from what the runs and the model show."""
+    reference = next(iter(layouts.values()))
+    failures: dict[str, list[str]] = {}
+    for name in differ:
+        if failed := layouts[name].failed:
+            failures.setdefault(failed, []).append(name)
+    causes = [f"{' and '.join(names)} stopped at {failed}" for failed, names in failures.items()]
+    if reference.no_grad:
+        causes.append(
+            f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
+            "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
+            "them out of the model"
+        )
+    model, first_batch = probe(cfg, trainer)
+    norms = [name for name, m in model.named_modules() if is_batch_norm(m)]
+    if norms:
+        causes.append(
+            f"BatchNorm layers ({', '.join(norms[:5])}) normalise each process's share, and each "
+            "micro-batch, by its own statistics: parallel.sync_batchnorm=true shares them between "
+            "processes (CUDA GPUs), or use GroupNorm or LayerNorm"
+        )
+    ddp_buffers = {b for name in differ for b in layouts[name].rank_buffers}
+    others = sorted(b for b in ddp_buffers if not b.startswith(tuple(f"{n}." for n in norms)))
+    if others:
+        causes.append(
+            f"buffers that differ between the DDP processes after a step: {', '.join(others[:5])}"
+        )
+    for name in differ:  # after a failure, the ranks' weights are anyone's guess
+        if (drifted := layouts[name].drifted) and not layouts[name].failed:
+            step, parameter, rank = drifted
+            causes.append(
+                f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
+                "some code changes weights outside the optimizer step, on some ranks only"
+            )
+    random, repeatable = randomness(model, first_batch, trainer)
+    if random:
+        causes.append(
+            "the model draws random numbers in training (not in a dropout layer, which this "
+            "check switches off): each process draws its own; make it a dropout layer, or draw "
+            "it in eval mode only"
+        )
+    elif not repeatable:
+        causes.append(
+            "the same step twice gives other gradients: non-deterministic kernels; run with "
+            "trainer.deterministic=true"
+        )
+    if not causes:
+        worst = max(differ, key=lambda name: compare(layouts[name], reference, 0).weight[0])
+        where = compare(layouts[worst], reference, 0).weight[1]
+        causes.append(
+            f"none this check can see; the largest weight difference is in {where} ({worst})"
+        )
+    return causes
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """BatchNorm that normalises by this process's batch alone (SyncBatchNorm shares it)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, nn.SyncBatchNorm
+    )
+
+
+def probe(cfg: DictConfig, trainer: Trainer) -> tuple[nn.Module, tuple]:
+    """The config's model as one process builds it, dropout off, and its first batch."""
+    from src.run import build_model
+
+    process = distributed.Process(device=distributed.pick_device(cfg.device))
+    data = instantiate(cfg.data)
+    data.setup(process)
+    model = build_model(cfg, trainer, process, checkpoint.find_weights(cfg, process), data)
+    model.train()
+    dropout_off(model)
+    return model, next(data.train_batches(1))
+
+
+def randomness(model: nn.Module, batch: tuple, trainer: Trainer) -> tuple[bool, bool]:
+    """Whether the gradients of `batch` depend on the random seed (randomness in the model), and
+    whether they are the same twice with one seed (deterministic kernels)."""
+    images, labels, _ = batch
+
+    def gradients(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        with autocast(images.device, trainer):
+            loss = F.cross_entropy(
+                model(images.contiguous(memory_format=trainer.memory_format)), labels
+            )
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    first, again, other = gradients(0), gradients(0), gradients(1)
+    same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    seeded = all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    return same and not seeded, same

@@ -1,0 +1,101 @@
+"""`python train.py debug=equivalence`: exit 0 where 2 DDP processes and micro-batches train the
+config as one process does; exit 1, naming the likely cause, where they do not; one sentence for
+what it cannot check."""
+
+import pytest
+from conftest import compose_config, offline_env, ok, printed, train
+
+from src import equivalence
+from src.errors import UserError
+
+TESTS = str(__import__("conftest").__file__.rsplit("/", 1)[0])  # user_models.py's folder
+LAYOUTS = ["1 process (reference)", "1 process × 2 micro-batches", "2 DDP processes",
+           "2 DDP processes × 2 micro-batches"]  # fmt: skip
+
+
+def check(overrides: list[str], tmp_path, data, nproc: int | None = None, steps: int | None = 6):
+    """debug=equivalence on `data` with `overrides`, `steps` steps (6: 1.5 epochs of the tiny
+    data; None: the default), tests/ importable for the user models."""
+    overrides = ["debug=equivalence", f"data.root={data}", *overrides]
+    if steps is not None:
+        overrides.append(f"debug.steps={steps}")
+    return train(overrides, tmp_path, nproc=nproc, env=offline_env(PYTHONPATH=TESTS))
+
+
+def user_model(name: str) -> str:
+    return f"model._target_=user_models.{name}"
+
+
+@pytest.mark.parametrize(("model", "steps"), [("mlp", None), ("cnn", 6)])
+def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
+    """Four layouts in the table, each within float32 rounding, every evaluation count the same
+    (the reference's out of the split's 50 and 100 images). The MLP takes the default 20 steps."""
+    output = printed(ok(check([f"model={model}"], tmp_path, tiny_data, steps=steps)))
+    assert f"Training {steps or 20} steps in each layout, dropout off, on the CPU (gloo)" in output
+    table = output[output.index("layout ") :].splitlines()
+    assert [line.split("  ")[0] for line in table[1:5]] == LAYOUTS
+    assert "/50 " in table[1] and table[1].endswith("/100")
+    assert all(line.split()[-2:] == ["+0", "+0"] for line in table[2:5]), table
+    assert "Equivalent: every layout trains this config as one process does, within float32 " in (
+        output
+    )
+
+
+def test_batchnorm_without_sync_is_named(tmp_path, tiny_data):
+    result = check(["model=cnn_bn"], tmp_path, tiny_data)
+    assert result.returncode == 1 and "Traceback" not in printed(result)
+    assert (
+        "Not equivalent: 1 process × 2 micro-batches and 2 DDP processes and 2 DDP processes × 2 "
+        "micro-batches trained something else than 1 process did (tolerance 1e-05). Likely causes:"
+        "\n- BatchNorm layers (bn1, bn2) normalise each process's share, and each micro-batch, by "
+        "its own statistics"
+    ) in printed(result)
+
+
+def test_a_parameter_without_gradient_is_named(tmp_path, tiny_data):
+    """DDP (find_unused_parameters=false) fails at the second step; the cause names the
+    parameters that got no gradient."""
+    result = check([user_model("UnusedBranch")], tmp_path, tiny_data)
+    assert result.returncode == 1 and "Traceback" not in printed(result)
+    assert (
+        "- 2 DDP processes and 2 DDP processes × 2 micro-batches stopped at step 2: Expected to "
+        "have finished reduction in the prior iteration before starting a new one\n"
+        "- parameters that get no gradient: aux_head.weight, aux_head.bias. DDP with "
+        "parallel.find_unused_parameters=false fails on them: set it true"
+    ) in printed(result)
+
+
+@pytest.mark.slow
+def test_unused_parameters_are_equivalent_once_ddp_looks_for_them(tmp_path, tiny_data):
+    """The fix the cause suggests: the user's own DDP settings are the ones checked."""
+    overrides = [user_model("UnusedBranch"), "parallel=ddp", "parallel.find_unused_parameters=true"]
+    assert "Equivalent: every layout" in printed(ok(check(overrides, tmp_path, tiny_data)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "cause"),
+    [
+        ("Noisy", "- the model draws random numbers in training (not in a dropout layer"),
+        ("Drifting", "- in 2 DDP processes, rank 1's fc2.bias differed from rank 0's after step 3"),
+    ],
+)
+def test_randomness_and_weights_changed_on_one_rank_are_named(tmp_path, tiny_data, model, cause):
+    result = check([user_model(model)], tmp_path, tiny_data)
+    assert result.returncode == 1 and "Traceback" not in printed(result)
+    assert cause in printed(result)
+
+
+def test_under_torchrun_it_says_how_to_run_it(tmp_path, tiny_data):
+    result = check([], tmp_path, tiny_data, nproc=1)
+    assert result.returncode != 0
+    assert (
+        "debug=equivalence starts its own DDP processes: run python train.py debug=equivalence "
+        "... without torchrun."
+    ) in printed(result)
+
+
+@pytest.mark.unit
+def test_a_batch_that_does_not_split_over_2_processes_is_refused():
+    with pytest.raises(UserError, match=r"data.batch_size=63 does not split in 2: use an even one"):
+        equivalence.check(compose_config("debug=equivalence", "data.batch_size=63"))
