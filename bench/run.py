@@ -8,6 +8,7 @@ same tensors (bench/bare.py), the ceiling the template's own overhead is measure
     python bench/run.py --models cnn --batch-size 1024 --fast   # the GPU recipe
     python bench/run.py --processes 2 --loaders tensor --accumulate 1 4   # 4 micro-batches a step
     python bench/run.py --image-folder data/fashion-png --loaders torch tensor   # PNG files
+    python bench/run.py --models mlp --processes 2 --loaders tensor --drift-guard   # its cost
 
 Prints the table, and writes results.csv, table.md and images_per_s.png into
 bench/results/<date-time>/. Recipe: global batch 64 (--batch-size), SGD lr 0.01, one epoch;
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,10 +46,16 @@ FAST_FLAGS = ["--precision", "bf16", "--channels-last", "--compile", "reduce-ove
 
 
 def configurations(
-    models: list[str], processes: list[int], workers: int, loaders: list[str], accumulate: list[int]
+    models: list[str],
+    processes: list[int],
+    workers: int,
+    loaders: list[str],
+    accumulate: list[int],
+    drift_guard: bool = False,
 ) -> list[dict]:
     """The rows: each model and process count with each loader (`torch` is a DataLoader with 0
-    and with `workers` workers; `tensor` the in-memory path, once per `accumulate` value)."""
+    and with `workers` workers; `tensor` the in-memory path, once per `accumulate` value; with
+    `drift_guard`, under DDP also without the drift guard and with it checking every step)."""
     best = [
         "data.loader=torch",
         f"data.num_workers={workers}",
@@ -68,13 +76,17 @@ def configurations(
             )
             for k in accumulate
         ]
+    guard = [
+        ("tensor, drift guard off", ["parallel.check_sync_every_n_steps=null"]),
+        ("tensor, drift guard every step", ["parallel.check_sync_every_n_steps=1"]),
+    ]
     if "bare" in loaders:
         variants.append(("bare loop", []))
     return [
         {"model": model, "processes": nproc, "loader": loader, "extra": extra}
         for model in models
         for nproc in processes
-        for loader, extra in variants
+        for loader, extra in variants + (guard if drift_guard and nproc > 1 else [])
     ]
 
 
@@ -171,6 +183,12 @@ def main() -> None:
         help="trainer.accumulate_grad_batches values of the tensor rows (e.g. 1 4)",
     )
     parser.add_argument(
+        "--drift-guard",
+        action="store_true",
+        help="DDP rows also without the drift guard and with it every step: what the default "
+        "(before each validation and save) costs",
+    )
+    parser.add_argument(
         "--fast", action="store_true", help="the GPU recipe: " + " ".join(FAST_OVERRIDES)
     )
     parser.add_argument(
@@ -184,7 +202,9 @@ def main() -> None:
 
     out = args.out / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True)
-    rows = configurations(args.models, args.processes, args.workers, args.loaders, args.accumulate)
+    rows = configurations(
+        args.models, args.processes, args.workers, args.loaders, args.accumulate, args.drift_guard
+    )
     with tempfile.TemporaryDirectory() as scratch:
         # In turn, so that a machine slowing down or speeding up touches every row alike.
         for repeat in range(1, args.repeats + 1):
@@ -234,7 +254,7 @@ def main() -> None:
         + (", " + " ".join(FAST_OVERRIDES) if args.fast else "")
         + f"; the fastest of {args.repeats} run(s)"
     )
-    table = f"{recipe}\n\n{markdown(rows)}"
+    table = f"{recipe}\n\n{markdown(rows)}{drift_guard_cost(rows, args.batch_size)}"
     (out / "table.md").write_text(table)
     plot(rows, out / "images_per_s.png")
     print(f"\n{table}\nWritten to {out}")
@@ -254,6 +274,26 @@ def markdown(rows: list[dict]) -> str:
         for r in rows
     ]
     return "\n".join(lines) + "\n"
+
+
+def drift_guard_cost(rows: list[dict], batch_size: int) -> str:
+    """The drift guard's cost, from the rows without it and with it at every step: the time of
+    one check, and the share of an epoch the default's one check (before the epoch's validation,
+    outside its timed steps; one more at each checkpoint.every_n_steps save) takes."""
+    lines = []
+    for model, nproc in sorted({(r["model"], r["processes"]) for r in rows}):
+        by = {r["loader"]: r for r in rows if (r["model"], r["processes"]) == (model, nproc)}
+        off, every = by.get("tensor, drift guard off"), by.get("tensor, drift guard every step")
+        if not (off and every):
+            continue
+        steps = math.ceil(round(off["train_s"] * off["images_per_s"]) / batch_size)
+        per_check = max(every["train_s"] - off["train_s"], 0) / steps
+        lines.append(
+            f"- {model}, {nproc} processes: {per_check * 1000:.2f} ms a check; every step "
+            f"{every['train_s'] / off['train_s'] - 1:+.1%} of the epoch's time, the default's one "
+            f"check an epoch {per_check / off['train_s']:.3%}"
+        )
+    return "\nDrift guard:\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def plot(rows: list[dict], path: Path) -> None:

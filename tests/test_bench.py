@@ -43,3 +43,23 @@ def test_the_readme_benchmark_command_runs_every_row(tmp_path, tiny_data):
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert {(r["model"], r["processes"]) for r in rows} == {("mlp", "1"), ("mlp", "2")}
     assert len(rows) == 8 and all(float(r["images_per_s"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_drift_guard_rows_measure_its_cost(tmp_path, tiny_data):
+    """--drift-guard: the DDP rows without the guard and with it at every step, and the cost of
+    one check worked out from them."""
+    command = [sys.executable, "bench/run.py", "--models=mlp", "--processes=2", "--repeats=1",
+               "--loaders=tensor", "--drift-guard", f"--root={tiny_data}",
+               f"--out={tmp_path}"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["loader"] for r in rows] == [
+        "tensor", "tensor, drift guard off", "tensor, drift guard every step"
+    ]  # fmt: skip
+    assert "- mlp, 2 processes: " in (out / "table.md").read_text()
+    assert " ms a check; every step " in (out / "table.md").read_text()
