@@ -10,7 +10,11 @@ line: the epoch's training images per second.
         --compile reduce-overhead --warmup-steps 5 --root ...     # the GPU recipe
 
 --warmup-steps trains that many steps before the clock starts (not undone: this loop only
-measures speed) so that compilation and CUDA graph capture stay out of the timing.
+measures speed) so that compilation and CUDA graph capture stay out of the timing. --steps times
+only the epoch's first steps. bench/scaling.py varies the rest under torchrun: DDP's
+--bucket-cap-mb and --gradient-as-bucket-view, --accumulate (each step's share split into
+micro-batches, all-reducing in the last one's backward only, as src/training.py's train_step
+does) and --no-communication (a DDP hook that skips the all-reduce: the same step, compute only).
 """
 
 import argparse
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,6 +59,15 @@ def main() -> None:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", metavar="MODE", help="torch.compile mode (default: eager)")
     parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="time this many steps (default: the epoch)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--bucket-cap-mb", type=float, help="DDP's (default 25)")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's")
+    parser.add_argument(
+        "--no-communication",
+        action="store_true",
+        help="DDP without the all-reduce (debugging_hooks.noop_hook): compute only",
+    )
     args = parser.parse_args()
 
     ddp = "RANK" in os.environ
@@ -63,6 +77,8 @@ def main() -> None:
         else torch.device("cpu")
     )
     rank, world = 0, 1
+    if not ddp and (args.bucket_cap_mb or args.gradient_as_bucket_view or args.no_communication):
+        parser.error("the DDP options need DDP: launch with torchrun --nproc_per_node=N")
     if ddp:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # else every rank's NCCL and kernels start on GPU 0
@@ -81,7 +97,14 @@ def main() -> None:
         model = torch.compile(model, mode=args.compile, dynamic=False)
     if ddp:
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+        if args.no_communication:
+            model.register_comm_hook(None, noop_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     sampler = GlobalBatchSampler(len(labels), args.batch_size, rank, world, seed)
     sampler.set_epoch(1)  # the template's first epoch
@@ -96,11 +119,17 @@ def main() -> None:
     def step(first: int) -> None:
         index = order[first : first + args.batch_size][rank::world]
         x = images.index_select(0, index).float().div_(255).sub_(mean).div_(std)
+        y = labels.index_select(0, index)
+        micro = min(args.accumulate, len(index))
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            logits = model(x.contiguous(memory_format=layout))
-            loss = F.cross_entropy(logits, labels.index_select(0, index))
-        loss.backward()
+        pieces = zip(x.tensor_split(micro), y.tensor_split(micro), strict=True)
+        for i, (xs, ys) in enumerate(pieces):
+            # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
+            with nullcontext() if not ddp or i == micro - 1 else model.no_sync():
+                with autocast:
+                    logits = model(xs.contiguous(memory_format=layout))
+                    loss = F.cross_entropy(logits, ys) / micro
+                loss.backward()
         optimizer.step()
 
     model.train()
@@ -109,21 +138,21 @@ def main() -> None:
     warm = [*starts[: max(args.warmup_steps, 2)], starts[-1], starts[-1]]
     for first in warm if args.warmup_steps else []:
         step(first)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    timed = starts[: args.steps]
+    sync(device, ddp)
     started = time.perf_counter()
-    for first in starts:
+    for first in timed:
         step(first)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device, ddp)
     seconds = time.perf_counter() - started
+    count = min(len(labels), timed[-1] + args.batch_size) - timed[0]
     if rank == 0:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             json.dumps(
                 {
                     "time/train_s": seconds,
-                    "time/images_per_s": len(labels) / seconds,
+                    "time/images_per_s": count / seconds,
                     "memory/peak_rss_mb": peak,
                 }
             )
@@ -134,6 +163,15 @@ def main() -> None:
         # while the interpreter tears down, which torchrun would report as a failed run.
         sys.stdout.flush()
         os._exit(0)
+
+
+def sync(device: torch.device, ddp: bool) -> None:
+    """Wait for the GPU's queued work, and (DDP) for every rank: the clock starts when all ranks
+    start, and stops when the slowest is done (with the no-op hook, nothing else waits)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if ddp:
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
 
 
 if __name__ == "__main__":
