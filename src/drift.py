@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
+from itertools import zip_longest
 
 import torch
 from hydra.errors import CompactHydraException
@@ -65,19 +66,23 @@ def check_start(model: nn.Module, process: Process) -> None:
     if process.mode != "ddp":
         return
     named = [*model.named_parameters(), *model.named_buffers()]
-    mine = ([name for name, _ in named], torch.stack(fingerprint(t for _, t in named)).tolist())
-    (names, sums), *others = process.all_gather_object(mine)
-    for rank, (their_names, their_sums) in enumerate(others, start=1):
-        if their_names != names:
+    shapes = [f"{name} {list(tensor.shape)}" for name, tensor in named]
+    sums = torch.stack(fingerprint(t for _, t in named)).tolist() if named else []
+    (first_shapes, first_sums), *others = process.all_gather_object((shapes, sums))
+    for rank, (their_shapes, their_sums) in enumerate(others, start=1):
+        if their_shapes != first_shapes:
+            pairs = zip_longest(first_shapes, their_shapes, fillvalue="nothing")
+            ours, theirs = next((a, b) for a, b in pairs if a != b)
             raise UserError(
-                f"DDP rank {rank} built another model than rank 0 (other parameters or buffers: "
-                f"{sorted(set(their_names) ^ set(names))[:3]}). Build the same model on every "
-                "rank: nothing in it may depend on the rank or the machine."
+                f"DDP rank {rank} built another model than rank 0 (it has {theirs} where rank 0 "
+                f"has {ours}). Build the same model on every rank: nothing in it may depend on "
+                "the rank or the machine."
             )
-        if their_sums != sums:
-            first = next(n for n, a, b in zip(names, sums, their_sums, strict=True) if a != b)
+        if their_sums != first_sums:
+            pairs = zip(named, first_sums, their_sums, strict=True)
+            name = next(n for (n, _), a, b in pairs if a != b)
             raise UserError(
-                f"DDP rank {rank} starts from other weights than rank 0 ({first} differs). DDP "
+                f"DDP rank {rank} starts from other weights than rank 0 ({name} differs). DDP "
                 "would copy rank 0's over them and hide whatever made them differ: a seed that "
                 "depends on the rank, or a checkpoint (init_from, resume) that differs between "
                 "machines. Build the model alike on every rank (src/run.py seeds cfg.seed before "

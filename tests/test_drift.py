@@ -6,7 +6,16 @@ import math
 
 import pytest
 import torch
-from conftest import make_dataset, offline_env, ok, printed, run_dirs, train
+from conftest import (
+    make_dataset,
+    offline_env,
+    ok,
+    printed,
+    run,
+    run_dirs,
+    torchrun_through_shell,
+    train,
+)
 
 from src.drift import fingerprint
 
@@ -63,6 +72,19 @@ def test_ranks_that_start_from_other_weights_are_stopped(tmp_path, tiny_data):
     assert "DDP rank 1 starts from other weights than rank 0 (fc1.weight differs)" in printed(
         result
     )
+
+
+def test_ranks_that_build_another_model_are_stopped(tmp_path, tiny_data):
+    """Rank 1 started with model.hidden=64: named before DDP's own check fails with a
+    traceback."""
+    rank_1_differs = '[ "$RANK" = 1 ] && set -- "$@" model.hidden=64'
+    overrides = [f"data.root={tiny_data}", "logger=none", "parallel=ddp"]
+    result = run(torchrun_through_shell(rank_1_differs, overrides, tmp_path / "out"), tmp_path)
+    assert result.returncode != 0
+    assert (
+        "DDP rank 1 built another model than rank 0 (it has fc1.weight [64, 784] where rank 0 has "
+        "fc1.weight [512, 784])"
+    ) in printed(result)
 
 
 @pytest.mark.parametrize(

@@ -164,21 +164,20 @@ def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
 
 
 def test_a_bug_in_every_worker_is_shown_once_with_its_traceback(tmp_path, tiny_data):
-    """Not a user mistake: the models differ between ranks, which DDP refuses with a
-    RuntimeError; one traceback, the first failing rank's, is printed."""
-    rank_1_differs = '[ "$RANK" = 1 ] && set -- "$@" model.hidden=64'
+    """Not a user mistake: a model whose forward raises a RuntimeError on every rank; one
+    traceback, the first failing rank's, is printed."""
+    overrides = [f"data.root={tiny_data}", "logger=none", "parallel=ddp",
+                 "model._target_=user_models.Broken"]  # fmt: skip
+    tests = str(Path(__file__).parent)  # user_models.py's folder
     result = run(
-        torchrun_through_shell(
-            rank_1_differs,
-            [f"data.root={tiny_data}", "logger=none", "parallel=ddp"],
-            tmp_path / "outputs",
-        ),
+        torchrun_through_shell("true", overrides, tmp_path / "outputs"),
         cwd=tmp_path,
+        env=offline_env(PYTHONPATH=tests),
     )
     assert result.returncode != 0
     output = printed(result)
     root_cause = output.split("Root Cause")[1]
-    assert "Traceback" in root_cause and "RuntimeError" in root_cause, output
+    assert "Traceback" in root_cause and "RuntimeError: a bug in the model's forward" in root_cause
     assert "Error executing job" not in output  # not printed again by each rank
     assert processes_in(tmp_path) == []
 

@@ -1,7 +1,7 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
 The set-up commands (pip, apt-get), `pytest` itself and writing Fashion-MNIST as an image folder
-are run by .ci/run, the benchmark by tests/test_bench.py.
+are run by .ci/run, the benchmarks by tests/test_bench.py and tests/test_scaling.py.
 """
 
 import re
@@ -25,9 +25,9 @@ from hydra import compose, initialize_config_dir
 
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
 SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_per_node=4",
-                 "torch.distributed.launch")  # fmt: skip
+                 "torch.distributed.launch", "debug=equivalence model=cnn")  # fmt: skip
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py",
-          "python bench/write_image_folder.py")  # fmt: skip
+          "python bench/write_image_folder.py", "python bench/scaling.py")  # fmt: skip
 
 
 @pytest.mark.unit
@@ -60,6 +60,10 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
     words += defaults_for_tests(words)  # a validation split the tiny data holds; no pictures
     if "hparams_search=optuna" in words:
         words += ["hydra.sweeper.n_trials=2"]  # as max_steps: enough to show it runs
+    if "debug=equivalence" in words:  # compares layouts, writes no metrics
+        result = ok(run([*words, "debug.steps=4"], cwd=REPO, env=env, timeout=300))
+        assert "Equivalent: every layout trains this config" in result.stdout + result.stderr
+        return
     ok(run(words, cwd=REPO, env=env, timeout=300))
     runs = [p.parent for p in (tmp_path / "outputs").rglob("metrics.jsonl")]
     assert runs and all(read_metrics(r)[1] for r in runs), "every run evaluated"

@@ -47,3 +47,10 @@ class RankSeeded(MLP):
     def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
         torch.manual_seed(int(os.environ.get("RANK", 0)))
         super().__init__(in_channels, image_size, hidden, num_classes)
+
+
+class Broken(MLP):
+    """A bug: every forward raises."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bug in the model's forward")
