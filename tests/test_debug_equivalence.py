@@ -26,7 +26,9 @@ def user_model(name: str) -> str:
     return f"model._target_=user_models.{name}"
 
 
-@pytest.mark.parametrize(("model", "steps"), [("mlp", None), ("cnn", 6)])
+@pytest.mark.parametrize(
+    ("model", "steps"), [("mlp", None), pytest.param("cnn", 6, marks=pytest.mark.slow)]
+)
 def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
     """Four layouts in the table, each within float32 rounding, every evaluation count the same
     (the reference's out of the split's 50 and 100 images). The MLP takes the default 20 steps."""

@@ -49,7 +49,9 @@ def test_a_fingerprint_changes_with_any_element():
     assert fingerprint([weights]) != fingerprint([nudged])
 
 
-@pytest.mark.parametrize(("every", "step"), [("eval", 4), ("1", 3)])
+@pytest.mark.parametrize(
+    ("every", "step"), [("eval", 4), pytest.param("1", 3, marks=pytest.mark.slow)]
+)
 def test_a_rank_that_changes_a_weight_stops_the_run(tmp_path, tiny_data, every, step):
     """Rank 1 nudges fc2.bias in its third step: by default the check before the epoch's
     validation (step 4) stops both ranks, before anything is saved; checking every step stops them
@@ -74,6 +76,7 @@ def test_ranks_that_start_from_other_weights_are_stopped(tmp_path, tiny_data):
     )
 
 
+@pytest.mark.slow
 def test_ranks_that_build_another_model_are_stopped(tmp_path, tiny_data):
     """Rank 1 started with model.hidden=64: named before DDP's own check fails with a
     traceback."""
@@ -91,7 +94,11 @@ def test_ranks_that_build_another_model_are_stopped(tmp_path, tiny_data):
     ("other", "message"),
     [
         ({"seed": 1}, "DDP rank 1 reads other labels for its share of the first batch"),
-        ({"train_size": 260}, r"The DDP ranks hold different training splits ([200, 210] images"),
+        pytest.param(
+            {"train_size": 260},
+            "The DDP ranks hold different training splits ([200, 210] images",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_ranks_with_other_data_files_are_stopped(tmp_path, tiny_data, other, message):
@@ -106,8 +113,10 @@ def test_ranks_with_other_data_files_are_stopped(tmp_path, tiny_data, other, mes
     assert printed(result).count("Traceback") == 1  # torchrun's own, for the failed worker
 
 
+@pytest.mark.slow
 def test_normal_runs_pass_the_guard_at_every_step(tmp_path, tiny_data):
-    """The CNN (each rank its own dropout masks) in micro-batches, checked after every step."""
+    """The CNN (each rank its own dropout masks) in micro-batches, checked after every step.
+    (Every other DDP run of the tests passes the default guard.)"""
     overrides = ["model=cnn", "trainer.accumulate_grad_batches=2",
                  "parallel.check_sync_every_n_steps=1", "trainer.epochs=2"]  # fmt: skip
     ok(ddp(overrides, tmp_path, tiny_data))
