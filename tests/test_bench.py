@@ -9,19 +9,26 @@ import pytest
 from conftest import REPO, offline_env, readme_commands
 
 
+def benchmark(options: list[str], tmp_path, data, timeout: float = 600) -> list[dict]:
+    """bench/run.py with `options` on `data`; the rows of its results.csv (its one output
+    folder's, under tmp_path)."""
+    command = [sys.executable, "bench/run.py", *options, f"--root={data}", f"--out={tmp_path}"]
+    result = subprocess.run(
+        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    return list(csv.DictReader((out / "results.csv").open()))
+
+
 @pytest.mark.slow
 def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
     """--fast (bf16, channels-last, torch.compile, warm-up steps) for the template and the bare
     loop (under DDP: test_train's compiled warm-up)."""
-    command = [sys.executable, "bench/run.py", "--models=mlp", "--processes=1", "--repeats=1",
-               "--workers=2", "--batch-size=32", "--fast", f"--root={tiny_data}",
-               f"--out={tmp_path}"]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    options = ["--models=mlp", "--processes=1", "--repeats=1", "--workers=2", "--batch-size=32",
+               "--fast"]  # fmt: skip
+    rows = benchmark(options, tmp_path, tiny_data)
     (out,) = tmp_path.iterdir()
-    rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(r["processes"], r["loader"]) for r in rows] == [
         ("1", loader) for loader in ("torch, 0 workers", "torch, 2 workers", "tensor", "bare loop")
     ]
@@ -34,13 +41,7 @@ def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
 def test_the_readme_benchmark_command_runs_every_row(tmp_path, tiny_data):
     """The README's command as written (three runs of each row), on the tiny data."""
     (command,) = [c for c in readme_commands() if c.startswith("python bench/run.py")]
-    words = [sys.executable, *command.split()[1:], f"--root={tiny_data}", f"--out={tmp_path}"]
-    result = subprocess.run(
-        words, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (out,) = tmp_path.iterdir()
-    rows = list(csv.DictReader((out / "results.csv").open()))
+    rows = benchmark(command.split()[2:], tmp_path, tiny_data, timeout=900)
     assert {(r["model"], r["processes"]) for r in rows} == {("mlp", "1"), ("mlp", "2")}
     assert len(rows) == 8 and all(float(r["images_per_s"]) > 0 for r in rows)
 
@@ -49,15 +50,9 @@ def test_the_readme_benchmark_command_runs_every_row(tmp_path, tiny_data):
 def test_the_drift_guard_rows_measure_its_cost(tmp_path, tiny_data):
     """--drift-guard: the DDP rows without the guard and with it at every step, and the cost of
     one check worked out from them."""
-    command = [sys.executable, "bench/run.py", "--models=mlp", "--processes=2", "--repeats=1",
-               "--loaders=tensor", "--drift-guard", f"--root={tiny_data}",
-               f"--out={tmp_path}"]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    options = ["--models=mlp", "--processes=2", "--repeats=1", "--loaders=tensor", "--drift-guard"]
+    rows = benchmark(options, tmp_path, tiny_data)
     (out,) = tmp_path.iterdir()
-    rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["loader"] for r in rows] == [
         "tensor", "tensor, drift guard off", "tensor, drift guard every step"
     ]  # fmt: skip
