@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, offline_env, ok, read_metrics, read_test, single_run, train
+from conftest import (
+    REPO,
+    offline_env,
+    ok,
+    printed,
+    read_metrics,
+    read_test,
+    single_run,
+    train,
+)
 from torch import nn
 
 from src import checkpoint, distributed
@@ -92,6 +101,16 @@ def test_ddp_over_two_gpus_with_nccl_trains_what_one_process_trains(tmp_path, ti
     steps = [read_metrics(single_run(tmp_path / mode))[0] for mode in ("ddp", "none")]
     for ours, ref in zip(*steps, strict=True):
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4)
+
+
+@two_gpus
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_debug_equivalence_compares_on_two_gpus_with_nccl(tmp_path, tiny_data, model):
+    """The reference on the first GPU, the DDP layouts as nccl processes on two."""
+    overrides = [f"data.root={tiny_data}", "debug=equivalence", f"model={model}", "debug.steps=6"]
+    output = printed(ok(train(overrides, tmp_path)))
+    assert "in each layout, dropout off, on GPUs (nccl)" in output
+    assert "Equivalent: every layout trains this config as one process does" in output
 
 
 @two_gpus
