@@ -77,6 +77,8 @@ def main() -> None:
         else torch.device("cpu")
     )
     rank, world = 0, 1
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps: time at least 1 step")
     if not ddp and (args.bucket_cap_mb or args.gradient_as_bucket_view or args.no_communication):
         parser.error("the DDP options need DDP: launch with torchrun --nproc_per_node=N")
     if ddp:

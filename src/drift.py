@@ -29,6 +29,7 @@ import torch
 from hydra.errors import CompactHydraException
 from torch import nn
 
+from src.data import Data, labels_of
 from src.distributed import Process
 from src.errors import UserError
 
@@ -42,9 +43,8 @@ class Drifted(CompactHydraException):
 def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's bits summed as int64: equal for equal tensors, and changed by a change in
     any element (short of another change that cancels it exactly)."""
-    return [
-        t.detach().contiguous().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors
-    ]
+    real = (torch.view_as_real(t) if t.is_complex() else t for t in tensors)
+    return [t.detach().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in real]
 
 
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -62,10 +62,11 @@ def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> di
 
 
 def check_start(model: nn.Module, process: Process) -> None:
-    """Every rank's parameters and buffers, before DDP wraps the model, are rank 0's."""
+    """Every rank's parameters and (persistent) buffers, before DDP wraps the model, are rank
+    0's: what the checkpoint saves and DDP would copy over."""
     if process.mode != "ddp":
         return
-    named = [*model.named_parameters(), *model.named_buffers()]
+    named = list(model.state_dict().items())
     shapes = [f"{name} {list(tensor.shape)}" for name, tensor in named]
     sums = torch.stack(fingerprint(t for _, t in named)).tolist() if named else []
     (first_shapes, first_sums), *others = process.all_gather_object((shapes, sums))
@@ -90,44 +91,40 @@ def check_start(model: nn.Module, process: Process) -> None:
             )
 
 
-def check_first_batch(data, process: Process) -> None:
-    """The ranks' shares of epoch 1's first global batch are disjoint, make up that batch, and
-    every rank reads the same labels for them: no image trained twice or left out, and no
-    machine with other data files."""
+def check_first_batch(data: Data, process: Process) -> None:
+    """The ranks' shares of epoch 1's first global batch are disjoint and make up that batch,
+    and every rank reads the same labels for it: no image trained twice or left out, and no
+    machine with other data files. Every rank decides on the same gathered values."""
     if process.mode != "ddp":
         return
-    from src.data import labels_of
-
     sampler = copy.copy(data.sampler)
     sampler.set_epoch(1)
+    batch = sampler.permutation()[: data.batch_size]
     share = next(sampler.index_batches())
     labels = labels_of(data.train)  # None for a dataset that reads them image by image only
-    read = [] if labels is None else labels[share.to(labels.device)].tolist()
-    mine = (data.size("train"), share.tolist(), read)
-    everyone = process.all_gather_object(mine)
+    read = [] if labels is None else labels[batch.to(labels.device)].tolist()
+    everyone = process.all_gather_object((data.size("train"), share.tolist(), read))
     sizes = [size for size, _, _ in everyone]
     if len(set(sizes)) > 1:
         raise UserError(
             f"The DDP ranks hold different training splits ({sizes} images, in rank order): "
             "every machine needs the same data files in data.root."
         )
-    batch = sampler.permutation()[: data.batch_size].tolist()
     taken = [index for _, indices, _ in everyone for index in indices]
-    if sorted(taken) != sorted(batch):
+    if sorted(taken) != sorted(batch.tolist()):
         twice = sorted({i for i in taken if taken.count(i) > 1})
-        missing = sorted(set(batch) - set(taken))
+        missing = sorted(set(batch.tolist()) - set(taken))
         raise UserError(
             f"The DDP ranks' shares of the first global batch overlap (images {twice[:5]} are in "
             f"two shares) or leave images out ({missing[:5]}): each rank must take its own part "
             "of every batch. Check changes to GlobalBatchSampler in src/data.py."
         )
-    for rank, (_, indices, their_labels) in enumerate(everyone if labels is not None else ()):
-        ours = labels[torch.tensor(indices, dtype=torch.long, device=labels.device)].tolist()
-        if ours != their_labels:
+    for rank, (_, _, their_labels) in enumerate(everyone[1:], start=1):
+        if their_labels != everyone[0][2]:
             raise UserError(
-                f"DDP rank {rank} reads other labels for its share of the first batch than rank "
-                f"{process.rank} does: the machines have different data files. Give every "
-                "machine the same data in data.root."
+                f"DDP rank {rank} reads other labels for the first batch than rank 0 does: the "
+                "machines have different data files. Give every machine the same data in "
+                "data.root."
             )
 
 

@@ -3,11 +3,12 @@ process does?
 
 It trains `debug.steps` optimizer steps of the config as composed (model, optimizer, schedule,
 precision, batches) in up to four layouts, from the same initial weights on the same global
-batches: one process (the reference), one process in micro-batches (gradient accumulation), 2
-DDP processes, and 2 DDP processes in micro-batches. Then it evaluates each layout's weights on
-the validation and test splits, prints a table and a verdict, and exits 1 when a layout differs
-from the reference by more than float rounding, with the likely causes it can see. The DDP
-processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there are 2.
+batches: one process on whole batches (the reference), one process in micro-batches (gradient
+accumulation), 2 DDP processes, and 2 DDP processes in micro-batches. Then it evaluates each
+layout's weights on the validation and test splits, prints a table and a verdict, and exits 1
+when a layout differs from the reference by more than float rounding, with the likely causes it
+can see. The DDP processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there
+are 2.
 
 Dropout layers are switched off in every layout: each process draws its own masks, so with
 them no two layouts could agree. Randomness of any other kind is one of the causes named.
@@ -30,7 +31,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src import checkpoint, distributed, drift, launch
+from src.data import Data
+from src.distributed import Process
 from src.errors import UserError
+from src.run import build_model, build_parts
 from src.settings import Trainer, read_settings
 from src.training import autocast, configure_kernels, evaluate, train_step
 
@@ -40,9 +44,15 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 PROCESSES = 2
 # Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
 # last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
-# float32 within 3e-7 (see the README); a real difference (BatchNorm on half a batch, a skipped
-# sample) is 1e-3 or more. bfloat16 and float16 round at 4e-3 and 5e-4 from the start.
-TOLERANCE = {"32": 1e-5, "bf16": 3e-2, "16": 1e-2}
+# float32 within 3e-7; a real difference (BatchNorm on half a batch, randomness in the model) was
+# 7e-2 or more. bfloat16, float16 and TF32 matmuls (matmul_precision=high) round at 4e-3, 5e-4 and
+# 1e-3 in each operation: their bound is wide, and ranks that drift apart fail the check anyway.
+FLOAT32, LOWER_PRECISION = 1e-5, 1e-2
+# The one failure of DDP's that a model causes and this check explains; any other error is a bug
+# that stops every process, with its traceback.
+DDP_UNUSED_PARAMETERS = (
+    "Expected to have finished reduction in the prior iteration before starting a new one"
+)
 
 
 class NotEquivalent(CompactHydraException):
@@ -59,7 +69,7 @@ class Trace:
     no_grad: list[str] = field(default_factory=list)  # parameters without a gradient, step 1
     rank_buffers: list[str] = field(default_factory=list)  # buffers the ranks differ in, step 1
     drifted: tuple[int, str, int] | None = None  # (step, parameter, rank): ranks differ there
-    failed: str | None = None  # the error that ended its training early, and its step
+    failed: str | None = None  # DDP's refusal that ended its training early, and its step
 
 
 def check(cfg: DictConfig) -> None:
@@ -69,26 +79,31 @@ def check(cfg: DictConfig) -> None:
             "debug=equivalence starts its own DDP processes: run python train.py "
             "debug=equivalence ... without torchrun."
         )
-    settings = read_settings(cfg)
-    batch_size, micro = cfg.data.batch_size, settings.trainer.accumulate_grad_batches
-    if batch_size % PROCESSES:
-        raise UserError(
-            f"debug=equivalence splits each global batch over {PROCESSES} DDP processes, and "
-            f"data.batch_size={batch_size} does not split in {PROCESSES}: use an even one."
-        )
-    micro = micro if micro > 1 else 2  # the user's own accumulation, else 2 micro-batches
-    micro = micro if batch_size // PROCESSES >= micro else None  # each share splits that far
+    trainer = read_settings(cfg).trainer
+    steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
+    if not (isinstance(steps, int) and steps >= 1):
+        raise UserError(f"debug.steps={steps}: train at least 1 step in each layout.")
+    if tolerance is not None and not tolerance > 0:
+        raise UserError(f"debug.tolerance={tolerance}: use a bound above 0, or null.")
+    if tolerance is None:
+        exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
+        tolerance = FLOAT32 if exact else LOWER_PRECISION
+    micro = micro_batches(cfg, trainer)
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
-    device = "cuda" if gpus else "cpu"
-    steps, tolerance = cfg.debug.steps, cfg.debug.tolerance or TOLERANCE[settings.trainer.precision]
     log.info(
         "Training %d steps in each layout, dropout off, on %s (%s)",
         steps, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
     )  # fmt: skip
-    one = layout_config(cfg, device, micro, "none")
-    reference, *accumulated = traces(one, settings.trainer)
-    ddp = launch.start_workers(ddp_traces, layout_config(cfg, device, micro, "ddp"))
-    layouts = dict(zip(layout_names(micro), [reference, *accumulated, *ddp], strict=True))
+    one = layout_config(cfg, "cuda" if gpus else "cpu", micro, "none")
+    ddp = layout_config(cfg, "cuda" if gpus else "cpu", micro, "ddp")
+    process = Process(device=distributed.pick_device(one.device))
+    configure_kernels(trainer)
+    data = instantiate(one.data)
+    data.setup(process)
+    traces = train_layouts(one, trainer, process, data)
+    traces += launch.start_workers(ddp_layouts, ddp)
+    layouts = dict(zip(layout_names(micro), traces, strict=True))
+    reference = traces[0]
     rows = {name: compare(trace, reference, steps) for name, trace in layouts.items()}
     log.info("\n%s", table(rows, reference))
     differ = [name for name, row in rows.items() if not row.within(tolerance)]
@@ -96,20 +111,39 @@ def check(cfg: DictConfig) -> None:
         log.info(
             "Equivalent: every layout trains this config as one process does, within %s "
             "rounding (tolerance %.0e): %s only the speed.",
-            precision_name(settings.trainer), tolerance,
+            "float32" if tolerance == FLOAT32 else "its precision's", tolerance,
             "parallel=ddp and trainer.accumulate_grad_batches change" if micro
             else "parallel=ddp changes",
         )  # fmt: skip
         return
-    causes = likely_causes(one, settings.trainer, layouts, differ)
+    model, batch = probe(one, trainer, process, data)
+    causes = likely_causes(layouts, differ, model, randomness(model, batch, trainer), ddp.parallel)
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
         f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
     )
 
 
+def micro_batches(cfg: DictConfig, trainer: Trainer) -> int | None:
+    """The micro-batches of the accumulation layouts: the user's own accumulation, else 2; None
+    where a process's share does not split that far, or DDP's static_graph refuses it."""
+    micro = trainer.accumulate_grad_batches if trainer.accumulate_grad_batches > 1 else 2
+    if cfg.data.batch_size % PROCESSES:
+        raise UserError(
+            f"debug=equivalence splits each global batch over {PROCESSES} DDP processes, and "
+            f"data.batch_size={cfg.data.batch_size} does not split in {PROCESSES}: use an even "
+            "one."
+        )
+    if cfg.data.batch_size // PROCESSES < micro:
+        return None
+    if cfg.parallel.mode == "ddp" and cfg.parallel.static_graph:
+        log.info("No micro-batch layouts: parallel.static_graph=true cannot accumulate.")
+        return None
+    return micro
+
+
 def layout_names(micro: int | None) -> list[str]:
-    """The layouts, in the order they are traced: each process count, then with micro-batches."""
+    """The layouts, in the order they are trained: each process count, then with micro-batches."""
     names = []
     for processes in ("1 process", f"{PROCESSES} DDP processes"):
         names += [processes] + ([f"{processes} × {micro} micro-batches"] if micro else [])
@@ -130,78 +164,75 @@ def layout_config(cfg: DictConfig, device: str, micro: int | None, mode: str) ->
     return OmegaConf.create(config)
 
 
-def ddp_traces(cfg: DictConfig, run_dir: Path) -> list[Trace]:
+def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     """One DDP process (started by `launch.start_workers`): its layouts' traces."""
     trainer = read_settings(cfg).trainer
     configure_kernels(trainer)
     process = distributed.setup(cfg, trainer)
     try:
-        return traces(cfg, trainer, process)
+        data = instantiate(cfg.data)
+        data.setup(process)
+        return train_layouts(cfg, trainer, process, data)
     finally:
         distributed.teardown()
 
 
-def traces(
-    cfg: DictConfig, trainer: Trainer, process: distributed.Process | None = None
-) -> list[Trace]:
+def train_layouts(cfg: DictConfig, trainer: Trainer, process: Process, data: Data) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
-    if process is None:  # the reference, in this process
-        configure_kernels(trainer)
-        process = distributed.Process(device=distributed.pick_device(cfg.device))
-    data = instantiate(cfg.data)
-    data.setup(process)
     weights = checkpoint.find_weights(cfg, process)  # init_from, where the config has one
-    micro = cfg.debug.micro_batches
-    layouts = [trainer] + (
-        [dataclasses.replace(trainer, accumulate_grad_batches=micro)] * bool(micro)
-    )
-    return [trace(cfg, layout, process, data, weights) for layout in layouts]
+    counts = [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else [])
+    return [
+        train_layout(cfg, dataclasses.replace(trainer, accumulate_grad_batches=k), process, data,
+                     weights)
+        for k in counts
+    ]  # fmt: skip
 
 
-def trace(cfg: DictConfig, trainer: Trainer, process, data, weights) -> Trace:
+def train_layout(
+    cfg: DictConfig, trainer: Trainer, process: Process, data: Data, weights: tuple | None
+) -> Trace:
     """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
     epoch), watching what makes layouts differ; evaluate the weights it ends with."""
-    from src.run import build_model, build_parts
-
     model = build_model(cfg, trainer, process, weights, data)
     parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, None)
     model.train()
     dropout_off(model)
-    result = Trace()
+    trace = Trace()
     try:
         steps = itertools.islice(batches(data, parts, trainer), cfg.debug.steps)
         for step, (images, labels, size) in enumerate(steps, start=1):
             loss, _ = train_step(parts, images, labels, size, process, trainer)
             if trainer.step_interval:
                 parts.scheduler.step()
-            result.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
-            look(result, distributed.unwrap(model), process, step)
-    except RuntimeError as err:  # DDP refusing the model, mostly: reported as a cause
-        first = str(err).strip().split(". ")[0].rstrip(".")  # DDP's first sentence says it
-        result.failed = f"step {len(result.losses) + 1}: {first}"
+            trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
+            watch_step(trace, distributed.unwrap(model), process, step)
+    except RuntimeError as err:
+        if DDP_UNUSED_PARAMETERS not in str(err):
+            raise
+        trace.failed = f"step {len(trace.losses) + 1}: {DDP_UNUSED_PARAMETERS}"
     for split in ("val", "test"):
         if data.size(split):
             metrics = evaluate(model, data, split, process, trainer)
-            result.evals[split] = {**metrics, "size": data.size(split)}
+            trace.evals[split] = {**metrics, "size": data.size(split)}
     state = distributed.unwrap(model).state_dict()
-    result.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
-    return result
+    trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+    return trace
 
 
-def look(result: Trace, model: nn.Module, process, step: int) -> None:
+def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> None:
     """After `step`, what makes layouts differ: parameters without a gradient and buffers that
     differ between the ranks (after the first step), parameters that differ between the ranks."""
     if step == 1:
-        result.no_grad = [
+        trace.no_grad = [
             name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
         ]
-        result.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
-    if result.drifted is None:
+        trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
+    if trace.drifted is None:
         found = drift.differing(process, list(model.named_parameters()))
-        result.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+        trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
 
 
-def batches(data, parts, trainer: Trainer):
+def batches(data: Data, parts, trainer: Trainer):
     """The training batches, epoch after epoch; an epoch-interval schedule steps between them."""
     for epoch in itertools.count(1):
         yield from data.train_batches(epoch)
@@ -219,23 +250,22 @@ def dropout_off(model: nn.Module) -> None:
 @dataclasses.dataclass
 class Difference:
     """How far a layout is from the reference: the largest relative loss difference of any step
-    (and its step), the largest weight difference relative to the largest weight (and where), the
-    difference in correct predictions and the largest relative loss difference of each evaluated
-    split."""
+    (and its step), the largest weight difference (relative to its tensor's largest weight, where
+    that is above 1; and where), the largest relative difference of the evaluated splits' losses,
+    and the change in their correct predictions (shown, not judged: a rounding difference may
+    flip a prediction that was a near tie)."""
 
     loss: tuple[float, int | None]
     weight: tuple[float, str | None]
-    correct: dict[str, int]
     eval_loss: float
-    failed: str | None  # the layout's error, if training stopped early
+    correct: dict[str, int]
+    failed: str | None  # DDP's refusal, if training stopped early
     complete: bool  # it trained every step
+    drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
 
     def within(self, tolerance: float) -> bool:
-        return (
-            self.complete
-            and max(self.loss[0], self.weight[0], self.eval_loss) <= tolerance
-            and not any(self.correct.values())
-        )
+        worst = max(self.loss[0], self.weight[0], self.eval_loss)
+        return self.complete and not self.drifted and worst <= tolerance
 
 
 def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
@@ -245,23 +275,23 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
         ((abs(a - b) / max(abs(b), 1e-12), step) for step, (a, b) in enumerate(pairs, 1)),
         default=(0.0, None),
     )
-    scale = max(1.0, *(t.abs().max().item() for t in reference.weights.values() if t.numel()))
     weight = max(
         (
-            ((a.double() - b.double()).abs().max().item() / scale, name)
+            ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
             for name, a in trace.weights.items()
-            if (b := reference.weights[name]).is_floating_point() and a.numel()
+            if (b := reference.weights[name]).is_floating_point() and b.numel()
         ),
         default=(0.0, None),
     )
     evals = reference.evals
-    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"] for s, m in trace.evals.items()}
     eval_loss = max(
         (abs(m[f"{s}/loss"] / evals[s][f"{s}/loss"] - 1) for s, m in trace.evals.items()),
         default=0.0,
     )
+    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"] for s, m in trace.evals.items()}
     complete = len(trace.losses) == steps and trace.failed is None
-    return Difference(loss, weight, correct, eval_loss, trace.failed, complete)
+    drifted = trace.drifted is not None and trace.failed is None
+    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted)
 
 
 def table(rows: dict[str, Difference], reference: Trace) -> str:
@@ -287,34 +317,30 @@ def table(rows: dict[str, Difference], reference: Trace) -> str:
     )
 
 
-def precision_name(trainer: Trainer) -> str:
-    return {"32": "float32", "bf16": "bfloat16", "16": "float16"}[trainer.precision]
-
-
 def likely_causes(
-    cfg: DictConfig, trainer: Trainer, layouts: dict[str, Trace], differ: list[str]
+    layouts: dict[str, Trace],
+    differ: list[str],
+    model: nn.Module,
+    randomness: tuple[bool, bool],
+    parallel: DictConfig,
 ) -> list[str]:
-    """What could make the layouts `differ`, from what the runs and the model show."""
+    """What could make the layouts `differ`, from what the runs, the one-process `model`, its
+    `randomness` (random, repeatable) and the DDP layouts' `parallel` settings show."""
     reference = next(iter(layouts.values()))
     failures: dict[str, list[str]] = {}
     for name in differ:
         if failed := layouts[name].failed:
             failures.setdefault(failed, []).append(name)
     causes = [f"{' and '.join(names)} stopped at {failed}" for failed, names in failures.items()]
-    if reference.no_grad:
+    if reference.no_grad and not parallel.find_unused_parameters:
         causes.append(
             f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
             "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
             "them out of the model"
         )
-    model, first_batch = probe(cfg, trainer)
     norms = [name for name, m in model.named_modules() if is_batch_norm(m)]
     if norms:
-        causes.append(
-            f"BatchNorm layers ({', '.join(norms[:5])}) normalise each process's share, and each "
-            "micro-batch, by its own statistics: parallel.sync_batchnorm=true shares them between "
-            "processes (CUDA GPUs), or use GroupNorm or LayerNorm"
-        )
+        causes.append(batch_norm_cause(norms, differ, parallel.sync_batchnorm))
     ddp_buffers = {b for name in differ for b in layouts[name].rank_buffers}
     others = sorted(b for b in ddp_buffers if not b.startswith(tuple(f"{n}." for n in norms)))
     if others:
@@ -328,7 +354,7 @@ def likely_causes(
                 f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
                 "some code changes weights outside the optimizer step, on some ranks only"
             )
-    random, repeatable = randomness(model, first_batch, trainer)
+    random, repeatable = randomness
     if random:
         causes.append(
             "the model draws random numbers in training (not in a dropout layer, which this "
@@ -349,6 +375,23 @@ def likely_causes(
     return causes
 
 
+def batch_norm_cause(norms: list[str], differ: list[str], synced: bool) -> str:
+    """Why BatchNorm layers make the layouts in `differ` differ."""
+    layers = f"BatchNorm layers ({', '.join(norms[:5])})"
+    if synced:
+        return (
+            f"{layers} normalise each micro-batch by its own statistics: no setting makes "
+            "accumulation match whole batches there (parallel.sync_batchnorm=true covers the "
+            "processes only)"
+        )
+    micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
+    return (
+        f"{layers} normalise each process's share{micro} by its own statistics: "
+        "parallel.sync_batchnorm=true shares them between processes (CUDA GPUs), or use "
+        "GroupNorm or LayerNorm"
+    )
+
+
 def is_batch_norm(module: nn.Module) -> bool:
     """BatchNorm that normalises by this process's batch alone (SyncBatchNorm shares it)."""
     return isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
@@ -356,13 +399,10 @@ def is_batch_norm(module: nn.Module) -> bool:
     )
 
 
-def probe(cfg: DictConfig, trainer: Trainer) -> tuple[nn.Module, tuple]:
+def probe(
+    cfg: DictConfig, trainer: Trainer, process: Process, data: Data
+) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
-    from src.run import build_model
-
-    process = distributed.Process(device=distributed.pick_device(cfg.device))
-    data = instantiate(cfg.data)
-    data.setup(process)
     model = build_model(cfg, trainer, process, checkpoint.find_weights(cfg, process), data)
     model.train()
     dropout_off(model)
@@ -378,9 +418,8 @@ def randomness(model: nn.Module, batch: tuple, trainer: Trainer) -> tuple[bool, 
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         with autocast(images.device, trainer):
-            loss = F.cross_entropy(
-                model(images.contiguous(memory_format=trainer.memory_format)), labels
-            )
+            logits = model(images.contiguous(memory_format=trainer.memory_format))
+            loss = F.cross_entropy(logits, labels)
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

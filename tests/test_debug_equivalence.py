@@ -49,7 +49,7 @@ def test_batchnorm_without_sync_is_named(tmp_path, tiny_data):
     assert (
         "Not equivalent: 1 process × 2 micro-batches and 2 DDP processes and 2 DDP processes × 2 "
         "micro-batches trained something else than 1 process did (tolerance 1e-05). Likely causes:"
-        "\n- BatchNorm layers (bn1, bn2) normalise each process's share, and each micro-batch, by "
+        "\n- BatchNorm layers (bn1, bn2) normalise each process's share and each micro-batch by "
         "its own statistics"
     ) in printed(result)
 
@@ -98,6 +98,14 @@ def test_under_torchrun_it_says_how_to_run_it(tmp_path, tiny_data):
 
 
 @pytest.mark.unit
-def test_a_batch_that_does_not_split_over_2_processes_is_refused():
-    with pytest.raises(UserError, match=r"data.batch_size=63 does not split in 2: use an even one"):
-        equivalence.check(compose_config("debug=equivalence", "data.batch_size=63"))
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.batch_size=63", r"data.batch_size=63 does not split in 2: use an even one"),
+        ("debug.steps=0", r"debug.steps=0: train at least 1 step in each layout"),
+        ("debug.tolerance=0", r"debug.tolerance=0: use a bound above 0, or null"),
+    ],
+)
+def test_what_it_cannot_check_is_refused_in_one_sentence(override, message):
+    with pytest.raises(UserError, match=message):
+        equivalence.check(compose_config("debug=equivalence", override))

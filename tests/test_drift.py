@@ -39,14 +39,18 @@ def ddp(overrides: list[str], tmp_path, data, torchrun: bool = False):
 
 @pytest.mark.unit
 def test_a_fingerprint_changes_with_any_element():
-    """One bit of one element changes it; equal tensors of any dtype share it."""
+    """One bit of one element changes it; equal tensors of any dtype and layout share it."""
     weights = torch.randn(1000)
     nudged = weights.clone()
     nudged[537] = torch.nextafter(nudged[537], torch.tensor(math.inf))
-    tensors = [weights, torch.arange(5), torch.tensor(True), weights.bfloat16(), torch.zeros(0)]
+    images = torch.randn(2, 3, 4, 4)
+    tensors = [weights, torch.arange(5), torch.tensor(True), weights.bfloat16(), torch.zeros(0),
+               images.to(memory_format=torch.channels_last), torch.randn(3, 2)[:, 1],
+               torch.randn(4, dtype=torch.complex128)]  # fmt: skip
     assert [int(f) for f in fingerprint(tensors)] == [int(f) for f in fingerprint(tensors)]
     assert [f.dtype for f in fingerprint(tensors)] == [torch.int64] * len(tensors)
     assert fingerprint([weights]) != fingerprint([nudged])
+    assert fingerprint([images]) == fingerprint([images.to(memory_format=torch.channels_last)])
 
 
 @pytest.mark.parametrize(
@@ -93,7 +97,7 @@ def test_ranks_that_build_another_model_are_stopped(tmp_path, tiny_data):
 @pytest.mark.parametrize(
     ("other", "message"),
     [
-        ({"seed": 1}, "DDP rank 1 reads other labels for its share of the first batch"),
+        ({"seed": 1}, "DDP rank 1 reads other labels for the first batch than rank 0 does"),
         pytest.param(
             {"train_size": 260},
             "The DDP ranks hold different training splits ([200, 210] images",
