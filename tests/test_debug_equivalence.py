@@ -7,6 +7,7 @@ from conftest import compose_config, offline_env, ok, printed, train
 
 from src import equivalence
 from src.errors import UserError
+from src.settings import read_settings
 
 TESTS = str(__import__("conftest").__file__.rsplit("/", 1)[0])  # user_models.py's folder
 LAYOUTS = ["1 process (reference)", "1 process × 2 micro-batches", "2 DDP processes",
@@ -109,3 +110,23 @@ def test_under_torchrun_it_says_how_to_run_it(tmp_path, tiny_data):
 def test_what_it_cannot_check_is_refused_in_one_sentence(override, message):
     with pytest.raises(UserError, match=message):
         equivalence.check(compose_config("debug=equivalence", override))
+
+
+@pytest.mark.unit
+def test_the_layouts_follow_the_config():
+    """Micro-batches: the config's own accumulation, else 2; none where a process's share is
+    too small to split, or DDP's static_graph cannot accumulate."""
+    cases = {
+        "": 2,
+        "trainer.accumulate_grad_batches=4": 4,
+        "data.batch_size=2": None,
+        "parallel=ddp parallel.static_graph=true": None,
+    }
+    for overrides, micro in cases.items():
+        cfg = compose_config("debug=equivalence", *overrides.split())
+        assert equivalence.micro_batches(cfg, read_settings(cfg).trainer) == micro, overrides
+    assert equivalence.layout_names(4) == [
+        "1 process (reference)", "1 process × 4 micro-batches", "2 DDP processes",
+        "2 DDP processes × 4 micro-batches",
+    ]  # fmt: skip
+    assert equivalence.layout_names(None) == ["1 process (reference)", "2 DDP processes"]
