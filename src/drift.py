@@ -42,7 +42,8 @@ class Drifted(CompactHydraException):
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's bits summed as int64: equal for equal tensors, and changed by a change in
-    any element (short of another change that cancels it exactly)."""
+    any element (short of another change that cancels it exactly; elements swapped within a
+    tensor, a kind of drift no step makes, keep it)."""
     real = (torch.view_as_real(t) if t.is_complex() else t for t in tensors)
     return [t.detach().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in real]
 
