@@ -117,7 +117,8 @@ def check(cfg: DictConfig) -> None:
         )  # fmt: skip
         return
     model, batch = probe(one, trainer, process, data)
-    causes = likely_causes(layouts, differ, model, randomness(model, batch, trainer), ddp.parallel)
+    causes = likely_causes(layouts, rows, differ, model, randomness(model, batch, trainer),
+                           ddp.parallel)  # fmt: skip
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
         f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
@@ -319,13 +320,15 @@ def table(rows: dict[str, Difference], reference: Trace) -> str:
 
 def likely_causes(
     layouts: dict[str, Trace],
+    rows: dict[str, Difference],
     differ: list[str],
     model: nn.Module,
     randomness: tuple[bool, bool],
     parallel: DictConfig,
 ) -> list[str]:
-    """What could make the layouts `differ`, from what the runs, the one-process `model`, its
-    `randomness` (random, repeatable) and the DDP layouts' `parallel` settings show."""
+    """What could make the layouts `differ`, from what the runs and their `rows` (differences
+    from the reference), the one-process `model`, its `randomness` (random, repeatable) and the
+    DDP layouts' `parallel` settings show."""
     reference = next(iter(layouts.values()))
     failures: dict[str, list[str]] = {}
     for name in differ:
@@ -367,8 +370,8 @@ def likely_causes(
             "trainer.deterministic=true"
         )
     if not causes:
-        worst = max(differ, key=lambda name: compare(layouts[name], reference, 0).weight[0])
-        where = compare(layouts[worst], reference, 0).weight[1]
+        worst = max(differ, key=lambda name: rows[name].weight[0])
+        where = rows[worst].weight[1]
         causes.append(
             f"none this check can see; the largest weight difference is in {where} ({worst})"
         )
