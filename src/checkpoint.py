@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from src import storage
+from src import fsdp, storage
 from src.distributed import Process, unwrap
 from src.errors import UserError
 from src.settings import Checkpointing
@@ -244,11 +244,12 @@ def save(
     during the write, or a refused one, leaves the previous checkpoint whole.
     """
     rng = process.all_gather_object(rng_state())
+    model, optimizer = model_state(parts.model), optimizer_state(parts.model, parts.optimizer)
 
     def write() -> None:
         state = {
-            "model": unwrap(parts.model).state_dict(),
-            "optimizer": parts.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(),  # {} unless trainer.precision=16
             "epoch": progress.epoch,
@@ -265,6 +266,21 @@ def save(
         storage.write_atomically(path, lambda file: torch.save(state, file))
 
     return storage.on_main(process, write, path)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's whole `state_dict`: under FSDP gathered from the ranks (every rank calls
+    it), onto the main process."""
+    model = unwrap(model)
+    return fsdp.model_state(model) if fsdp.is_sharded(model) else model.state_dict()
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()`, whole: under FSDP gathered as `model_state` is."""
+    model = unwrap(model)
+    if fsdp.is_sharded(model):
+        return fsdp.optimizer_state(model, optimizer)
+    return optimizer.state_dict()
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -324,16 +340,19 @@ def _best_pt_beside(
 def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
     """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run folder
     is rank 0's, which other machines may not see) and every other rank receives its weights."""
-    path, model, error = run_dir / "checkpoints" / "best.pt", unwrap(model), None
+    path, model, error, loaded = run_dir / "checkpoints" / "best.pt", unwrap(model), None, {}
     if process.is_main:
         try:
-            load_model(model, path, _checked(path, weights_only=True))
+            loaded = load_model(model, path, _checked(path, weights_only=True))
         except UserError as err:
             error = str(err)
     errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    process.broadcast_tensors(model.state_dict().values())
+    if fsdp.is_sharded(model):  # each rank receives its shards of rank 0's weights
+        fsdp.load_model_state(model, loaded, process.is_main)
+    else:
+        process.broadcast_tensors(model.state_dict().values())
 
 
 def find_weights(cfg: DictConfig, process: Process) -> tuple[Path, dict] | None:
@@ -418,9 +437,9 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> None:
+def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load the weights of checkpoint `state` (read from `path`) into the plain `model`, whatever
-    wrapper they were saved from.
+    wrapper they were saved from; returns them, as the model names them.
 
     Prefixes that DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) add are removed.
     A checkpoint of another architecture stops with the first keys and shapes that differ.
@@ -442,7 +461,9 @@ def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> None:
             f"{path} holds weights of another architecture than {type(model).__name__} ({shown}). "
             "Choose the model= (and its sizes) it was saved with."
         )
-    model.load_state_dict(state_dict)
+    if not fsdp.is_sharded(model):  # a sharded model receives it from rank 0 (load_best)
+        model.load_state_dict(state_dict)
+    return state_dict
 
 
 def _shape(tensor: torch.Tensor) -> str:
@@ -456,7 +477,11 @@ def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
     Call after the scheduler is built: building one resets the optimizer's learning rate.
     Returns False when the random streams could not continue (another number of processes).
     """
-    parts.optimizer.load_state_dict(state["optimizer"])
+    model = unwrap(parts.model)
+    if fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
+        fsdp.load_optimizer_state(model, parts.optimizer, state["optimizer"])
+    else:
+        parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # {} from a run without float16's loss scaling: start a fresh scale
         parts.scaler.load_state_dict(state["scaler"])

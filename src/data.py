@@ -342,9 +342,21 @@ class Data:
                 # index_select: the same rows as images[index], several times faster on a CPU.
                 yield tuple(t.index_select(0, index) for t in self.train)
 
-    def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(
+        self, split: str, even: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's images of `split` (val or test): every world_size-th one, in batches of
-        test_batch_size."""
+        test_batch_size. `even`: then empty batches, up to as many batches as rank 0 has."""
+        yield from self._eval_batches(split)
+        if even:
+            mine = len(range(self.rank, self.size(split), self.world_size))
+            most = len(range(0, self.size(split), self.world_size))
+            batches = (math.ceil(n / self.test_batch_size) for n in (mine, most))
+            empty = torch.zeros((0, *self.shape), dtype=torch.uint8, device=self.device)
+            for _ in range(*batches):
+                yield self.normalise(empty), torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.loader == "torch":
             for images, labels in read(self.eval_loaders[split]):
                 yield self.normalise(images.to(self.device)), labels.to(self.device)

@@ -1,4 +1,4 @@
-"""Process setup: one device, DataParallel over GPUs, or one rank of a torchrun DDP group.
+"""Process setup: one device, DataParallel over GPUs, or one rank of a torchrun DDP/FSDP group.
 
 What a rank is lives here. The rest of the code asks the `Process` it is given:
 `process.is_main` before any side effect, `process.device` for tensors, and its collectives
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -21,23 +22,29 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
 
-from src import launch
+from src import fsdp, launch
 from src.errors import UserError
-from src.settings import Trainer
+from src.settings import PROCESS_GROUP_MODES, Trainer
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Process:
-    """Where this process stands: its parallel mode, its rank among the DDP ranks, its device."""
+    """Where this process stands: its parallel mode, its rank among the DDP (or FSDP) ranks, its
+    device."""
 
-    mode: str = "none"  # none | dp | ddp
+    mode: str = "none"  # none | dp | ddp | fsdp
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     device_ids: tuple[int, ...] = ()  # parallel=dp: the GPUs each batch is split over
+
+    @property
+    def in_group(self) -> bool:
+        """One rank of a process group (ddp, fsdp): the collectives below talk to the others."""
+        return self.mode in PROCESS_GROUP_MODES
 
     @property
     def is_main(self) -> bool:
@@ -51,7 +58,7 @@ class Process:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order; also a barrier."""
-        if self.mode != "ddp":
+        if not self.in_group:
             return [obj]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
@@ -59,7 +66,7 @@ class Process:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (the same shape on each), in rank order."""
-        if self.mode != "ddp":
+        if not self.in_group:
             return [tensor]
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(gathered, tensor)
@@ -67,7 +74,7 @@ class Process:
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank."""
-        if self.mode != "ddp":
+        if not self.in_group:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
@@ -75,19 +82,19 @@ class Process:
 
     def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         """Overwrite each tensor, in place, with rank 0's."""
-        if self.mode != "ddp":
+        if not self.in_group:
             return
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
-        if self.mode == "ddp":
+        if self.in_group:
             dist.barrier()
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (in float64, so counts stay exact)."""
-        if self.mode != "ddp":
+        if not self.in_group:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -95,10 +102,10 @@ class Process:
 
 
 def setup(cfg: DictConfig, trainer: Trainer) -> Process:
-    """Pick the device for `cfg.parallel.mode`; under ddp, join the process group."""
+    """Pick the device for `cfg.parallel.mode`; under ddp or fsdp, join the process group."""
     mode = cfg.parallel.mode
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if mode != "ddp":
+    if mode not in PROCESS_GROUP_MODES:
         if world_size > 1:
             raise UserError(
                 f"torchrun started {world_size} processes, but parallel={mode} trains in one. "
@@ -112,13 +119,15 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
     missing = [name for name in needed if name not in os.environ]
     if missing:
         raise UserError(
-            f"parallel=ddp found a partial distributed environment: {', '.join(present)} set but "
-            f"{', '.join(missing)} missing. Launch with torchrun, which sets them all."
+            f"parallel={mode} found a partial distributed environment: {', '.join(present)} "
+            f"set but {', '.join(missing)} missing. Launch with torchrun, which sets them all."
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(cfg.device, allow_mps=False)
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"parallel=ddp trains on CUDA GPUs or CPUs, not {device}. Use device=auto.")
+        raise UserError(
+            f"parallel={mode} trains on CUDA GPUs or CPUs, not {device}. Use device=auto."
+        )
     if device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         device = torch.device("cuda", rank_gpu(local_rank, torch.cuda.device_count(), visible))
@@ -141,7 +150,7 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
     else:
         dist.init_process_group(backend, init_method=cfg.parallel.init_method, rank=rank,
                                 world_size=world_size, timeout=timeout)  # fmt: skip
-    process = Process("ddp", rank, local_rank, world_size, device)
+    process = Process(mode, rank, local_rank, world_size, device)
     if not process.is_main:
         _quiet_logging(rank)
     if launch.legacy_launcher_used() and process.is_main:
@@ -150,8 +159,8 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
             "torchrun --nproc_per_node=N train.py parallel=ddp"
         )
     log.info(
-        "DDP: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
-        world_size, backend, rank, device, torch.get_num_threads(),
+        "%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
+        mode.upper(), world_size, backend, rank, device, torch.get_num_threads(),
     )  # fmt: skip
     return process
 
@@ -263,9 +272,13 @@ def check_data_parallel(
         )
 
 
-def wrap(model: nn.Module, cfg: DictConfig, process: Process) -> nn.Module:
-    """The model as the parallel mode trains it: plain, DataParallel or DistributedDataParallel."""
+def wrap(model: nn.Module, cfg: DictConfig, process: Process, trainer: Trainer) -> nn.Module:
+    """The model as the parallel mode trains it: plain, DataParallel, DistributedDataParallel,
+    or sharded by FSDP."""
     parallel = cfg.parallel
+    if process.mode == "fsdp":
+        units = list(parallel.shard_modules)
+        return fsdp.shard(model, units, parallel.reshard_after_forward, trainer.autocast_dtype)
     if process.mode == "ddp":
         return nn.parallel.DistributedDataParallel(
             model,
@@ -284,8 +297,27 @@ def wrap(model: nn.Module, cfg: DictConfig, process: Process) -> nn.Module:
     return model
 
 
+@contextmanager
+def local_gradients(model: nn.Module, process: Process, local: bool = True) -> Iterator[None]:
+    """While `local`, backward passes add to this rank's gradients without reducing them over
+    the ranks (DDP's `no_sync`, FSDP's `set_requires_gradient_sync(False)`): the micro-batches
+    before the last of an accumulated step."""
+    if not local or not process.in_group:
+        yield
+    elif process.mode == "ddp":
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DataParallel or DDP wrapper, and inside torch.compile's."""
+    """The plain model inside a DataParallel or DDP wrapper, and inside torch.compile's. (FSDP
+    wraps none: the model is its own, with sharded parameters.)"""
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
     return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule

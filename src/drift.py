@@ -51,7 +51,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """The tensors of `named` (the same names, in the same order, on every rank) that differ
     from rank 0's somewhere: each name, in `named`'s order, with the first rank where it does."""
-    if process.mode != "ddp" or not named:
+    if not process.in_group or not named:
         return {}
     mine = torch.stack(fingerprint(tensor for _, tensor in named))
     ranks = torch.stack(process.all_gather(mine))  # ranks × tensors
@@ -65,7 +65,7 @@ def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> di
 def check_start(model: nn.Module, process: Process) -> None:
     """Every rank's parameters and (persistent) buffers, before DDP wraps the model, are rank
     0's: what the checkpoint saves and DDP would copy over."""
-    if process.mode != "ddp":
+    if not process.in_group:
         return
     named = list(model.state_dict().items())
     shapes = [f"{name} {list(tensor.shape)}" for name, tensor in named]
@@ -96,7 +96,7 @@ def check_first_batch(data: Data, process: Process) -> None:
     """The ranks' shares of epoch 1's first global batch are disjoint and make up that batch,
     and every rank reads the same labels for it: no image trained twice or left out, and no
     machine with other data files. Every rank decides on the same gathered values."""
-    if process.mode != "ddp":
+    if not process.in_group:
         return
     sampler = copy.copy(data.sampler)
     sampler.set_epoch(1)

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
 from src.errors import Stopped, UserError
+from src.settings import PROCESS_GROUP_MODES
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ class WorkerFailed(CompactHydraException):
 
 
 def starts_workers_here(cfg: DictConfig) -> bool:
-    """parallel=ddp started without torchrun: this process launches the workers."""
-    return cfg.parallel.mode == "ddp" and not any(v in os.environ for v in TORCHRUN_VARIABLES)
+    """parallel=ddp (or fsdp) started without torchrun: this process launches the workers."""
+    under_torchrun = any(v in os.environ for v in TORCHRUN_VARIABLES)
+    return cfg.parallel.mode in PROCESS_GROUP_MODES and not under_torchrun
 
 
 def nproc_per_node(cfg: DictConfig) -> int:
@@ -91,7 +93,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
         monitor_interval=0.1,
         start_method="spawn",
     )
-    log.info("Starting %d DDP processes", nproc)
+    log.info("Starting %d %s processes", nproc, cfg.parallel.mode.upper())
     args = (
         target,
         OmegaConf.to_container(cfg, resolve=True),

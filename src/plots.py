@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -14,13 +14,31 @@ from src import storage
 from src.data import Data
 
 
-def draw(run_dir: Path, model: nn.Module, data: Data) -> list[Path]:
+class Predicted(NamedTuple):
+    """Test images (uint8, on the CPU), the model's labels for them, and the true ones."""
+
+    images: torch.Tensor
+    guesses: list[int]
+    labels: list[int]
+
+
+@torch.inference_mode()
+def predict(model: nn.Module, data: Data, count: int = 32) -> Predicted:
+    """The model's labels for `count` test images spread over the split (an image folder lists
+    its classes one after another)."""
+    model.eval()
+    images, labels = data.sample("test", count)
+    guesses = model(data.normalise(images)).argmax(dim=1)
+    return Predicted(images.cpu(), guesses.tolist(), labels.tolist())
+
+
+def draw(run_dir: Path, shown: Predicted, data: Data) -> list[Path]:
     """Write both pictures into `run_dir`; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no window
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [curves(records, run_dir / "curves.png"), predictions(model, data, run_dir)]
+    return [curves(records, run_dir / "curves.png"), predictions(shown, data, run_dir)]
 
 
 def curves(records: list[dict[str, Any]], path: Path) -> Path:
@@ -49,18 +67,13 @@ def curves(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-@torch.inference_mode()
-def predictions(model: nn.Module, data: Data, run_dir: Path, count: int = 32) -> Path:
-    """`count` test images, spread over the split, each labelled with the predicted and the true
-    label; the wrong ones in red. One image of them all, not one plot each: a second faster to
-    draw."""
+def predictions(shown: Predicted, data: Data, run_dir: Path) -> Path:
+    """The `shown` test images, each labelled with the predicted and the true label; the wrong
+    ones in red. One image of them all, not one plot each: a second faster to draw."""
     import matplotlib.pyplot as plt
 
-    model.eval()
-    images, labels = data.sample("test", count)
-    predicted = model(data.normalise(images)).argmax(dim=1).cpu()
     names = data.class_names or [str(i) for i in range(data.num_classes)]
-    images = images.cpu().permute(0, 2, 3, 1)  # N×H×W×C, as images are drawn
+    images = shown.images.permute(0, 2, 3, 1)  # N×H×W×C, as images are drawn
     columns, (height, width, channels) = 8, images.shape[1:]
     rows, band = -(-len(images) // columns), height // 2  # under each image: its label
     sheet = torch.full(
@@ -69,7 +82,7 @@ def predictions(model: nn.Module, data: Data, run_dir: Path, count: int = 32) ->
     figure = plt.figure(figsize=(columns * 1.4, columns * 1.4 * sheet.shape[0] / sheet.shape[1]))
     axes = figure.add_axes((0, 0, 1, 1))
     for i, (image, guess, truth) in enumerate(
-        zip(images, predicted.tolist(), labels.tolist(), strict=True)
+        zip(images, shown.guesses, shown.labels, strict=True)
     ):
         top, left = (i // columns) * (height + band), (i % columns) * (width + 4) + 2
         sheet[top : top + height, left : left + width] = image

@@ -16,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src import checkpoint, distributed, drift, plots, storage
 from src.checkpoint import Checkpointer, Parts
@@ -93,8 +94,10 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                     result = val[settings.checkpoint.monitor]
             test(model, data, process, logger, trainer, fitted, run_dir)  # once, at the end
             unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
-            if cfg.plots and process.is_main and not unwritten:
-                unwritten = storage.attempt(lambda: draw(run_dir, model, data, logger))
+            # Every rank predicts: under FSDP a forward needs them all.
+            shown = cfg.plots and plots.predict(distributed.unwrap(model), data)
+            if shown and process.is_main and not unwritten:
+                unwritten = storage.attempt(lambda: draw(run_dir, shown, data, logger))
             # Every rank stops together, and none tears the process group down while another
             # still uses it.
             if unwritten := storage.agree(process, unwritten or None):
@@ -121,9 +124,9 @@ def write_config(
         raise storage.stopped(unwritten, run_dir, None, kept)
 
 
-def draw(run_dir: Path, model: nn.Module, data, logger: MetricsLogger | None) -> None:
+def draw(run_dir: Path, shown: plots.Predicted, data, logger: MetricsLogger | None) -> None:
     """The run's pictures, into the run folder and to the tracker."""
-    pictures = plots.draw(run_dir, distributed.unwrap(model), data)
+    pictures = plots.draw(run_dir, shown, data)
     if logger:
         logger.log_images(pictures)
 
@@ -142,7 +145,7 @@ def build_model(
     drift.check_start(model, process)  # under DDP: every rank's weights are rank 0's
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return distributed.wrap(channels_last_and_compile(model, trainer), cfg, process)
+    return distributed.wrap(channels_last_and_compile(model, trainer), cfg, process, trainer)
 
 
 def build_parts(
@@ -159,8 +162,10 @@ def build_parts(
     total_steps = steps_per_epoch * trainer.epochs
     total_steps = min(total_steps, trainer.max_steps or total_steps)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    # float16 gradients underflow without loss scaling; for other precisions it is off.
-    scaler = torch.amp.GradScaler(process.device.type, enabled=trainer.precision == "16")
+    # float16 gradients underflow without loss scaling; for other precisions it is off. FSDP's
+    # ranks each see a part of the gradients: its scaler agrees with the others on overflows.
+    scaler_type = ShardedGradScaler if process.mode == "fsdp" else torch.amp.GradScaler
+    scaler = scaler_type(process.device.type, enabled=trainer.precision == "16")
     parts = Parts(model, optimizer, scheduler, scaler)
     if not (state and checkpoint.restore(state, parts, process)):
         seed_everything(cfg.seed + process.rank)  # each rank its own dropout stream

@@ -18,6 +18,7 @@ from src.errors import UserError
 
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
 MONITORS = ("val/acc", "val/loss")  # what each validation measures
+PROCESS_GROUP_MODES = ("ddp", "fsdp")  # one process per device, started by torchrun or train.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -165,6 +166,20 @@ def _section(cls: type, values: dict[str, Any], **extra: Any) -> Any:
     return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values}, **extra)
 
 
+def check_fsdp(cfg: DictConfig) -> None:
+    """Refuse what parallel=fsdp does not do: DDP's options, and what FSDP2 does not support."""
+    if cfg.parallel.sync_batchnorm:
+        raise UserError(
+            "parallel.sync_batchnorm=true is DDP's: parallel=fsdp normalises each rank's share by "
+            "its own statistics. Use parallel=ddp for SyncBatchNorm, or leave it false."
+        )
+    if cfg.parallel.find_unused_parameters:
+        raise UserError(
+            "parallel.find_unused_parameters=true is DDP's: FSDP needs no search for parameters "
+            "without a gradient. Leave it false with parallel=fsdp."
+        )
+
+
 def read_settings(cfg: DictConfig) -> Settings:
     """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
     for key in cfg.data:  # `???` in the YAML: a value only the user can give
@@ -183,6 +198,8 @@ def read_settings(cfg: DictConfig) -> Settings:
     interval = cfg.scheduler.get("interval")
     if interval not in ("epoch", "step"):
         _refuse("scheduler.interval", interval, "epoch or step")
+    if cfg.parallel.mode == "fsdp":
+        check_fsdp(cfg)
     if cfg.parallel.get("sync_batchnorm", False) and cfg.parallel.mode != "ddp":
         raise UserError(
             "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "

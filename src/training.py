@@ -30,10 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from src import checkpoint, drift
+from src import checkpoint, drift, fsdp
 from src.checkpoint import Best, Checkpointer, Parts, Progress
 from src.data import Data
-from src.distributed import Process, unwrap
+from src.distributed import Process, local_gradients, unwrap
 from src.errors import Stopped, UserError
 from src.logger import MetricsLogger
 from src.settings import Settings, Trainer
@@ -277,8 +277,8 @@ def train_step(
     total = None
     for i, (x, y) in enumerate(pieces):
         last = i == len(pieces) - 1
-        # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
-        with nullcontext() if last or process.mode != "ddp" else model.no_sync():
+        # DDP and FSDP reduce in the backward of the last micro-batch only, the sum of them all.
+        with local_gradients(model, process, local=not last):
             with autocast(process.device, trainer):
                 logits = model(x.contiguous(memory_format=trainer.memory_format))
                 loss = train_loss(logits, y, global_size, process.world_size, micro)
@@ -288,7 +288,7 @@ def train_step(
     if trainer.gradient_clip_val is not None or measure_norm:
         scaler.unscale_(optimizer)  # the true gradients (float16's scaler multiplied them)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm = fsdp.full(torch.nn.utils.get_total_norm(grads))  # FSDP: of all the shards
         if trainer.gradient_clip_val is not None:
             torch.nn.utils.clip_grads_with_norm_(
                 model.parameters(), trainer.gradient_clip_val, grad_norm
@@ -400,8 +400,9 @@ class Watch:
 
 def finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every floating-point tensor (parameters, and buffers such as BatchNorm's running
-    statistics) is free of NaN and infinity; one device sync for them all, not one each."""
-    checks = [t.isfinite().all() for t in tensors if t.is_floating_point()]
+    statistics) is free of NaN and infinity; one device sync for them all, not one each. Of a
+    sharded tensor, this rank's part (the ranks then agree on the whole)."""
+    checks = [fsdp.local(t).isfinite().all() for t in tensors if t.is_floating_point()]
     return not checks or bool(torch.stack(checks).all())
 
 
@@ -591,7 +592,8 @@ def evaluate(
     layout = trainer.memory_format if trainer else torch.contiguous_format
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for images, labels in data.eval_batches(split):
+    # Under FSDP every forward is collective: each rank runs as many as the rank with the most.
+    for images, labels in data.eval_batches(split, even=process.mode == "fsdp"):
         with autocast(process.device, trainer):
             logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()

@@ -1,5 +1,5 @@
-"""`parallel=` changes only the speed: none, dp and ddp with 1 to 4 processes train the same run,
-and so does `trainer.accumulate_grad_batches`.
+"""`parallel=` changes only the speed: none, dp, ddp and fsdp with 1 to 4 processes train the same
+run, and so does `trainer.accumulate_grad_batches`.
 
 Every mode trains the same config (SGD with momentum, a one-cycle schedule, 27 steps), and the
 per-step losses, the validations, the test and the final weights must agree to float32
@@ -57,6 +57,13 @@ MODES = {
     # images in 2s), all-reduced once per step under DDP.
     "none-accumulate4": (["trainer.accumulate_grad_batches=4"], None),
     "ddp2-accumulate2": (["parallel=ddp", "trainer.accumulate_grad_batches=2"], 2),
+    # FSDP: each rank holds a shard of every layer (Linear units, then the root).
+    "fsdp2": (["parallel=fsdp"], 2),
+    "fsdp3": (["parallel=fsdp"], 3),
+    "fsdp4": (["parallel=fsdp"], 4),
+    "fsdp2-self-launched": (["parallel=fsdp", "parallel.nproc_per_node=2"], None),
+    "fsdp2-accumulate2": (["parallel=fsdp", "trainer.accumulate_grad_batches=2"], 2),
+    "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
 }
 # Four self-launched processes on 2 cores is the slowest case, and ddp4 under torchrun shows the
 # same sums: it runs with the slow tests.

@@ -1,0 +1,108 @@
+"""parallel=fsdp: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), and its state dicts.
+
+Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state; a module's
+full weights are gathered for its forward and backward only. Checkpoints stay plain: the full
+`state_dict` and `optimizer.state_dict()` one process would save (gathered with
+`torch.distributed.checkpoint.state_dict`, written by rank 0), so they load into every mode.
+`checkpoint.sharded=true` instead writes `torch.distributed.checkpoint`'s sharded format, each
+rank its own part, for models too large to gather on one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0; {} on the others
+FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def shard(
+    model: nn.Module, units: list[str], reshard_after_forward: bool, dtype: torch.dtype | None
+) -> nn.Module:
+    """Shard each module whose class is named in `units` as its own unit, then the rest of the
+    model as the root unit. `dtype` (bf16, float16) is the precision of the forward and backward;
+    the sharded weights, the optimizer and the gradients' reduction stay float32."""
+    mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for module in list(model.modules())[1:]:
+        if type(module).__name__ in units:
+            fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
+    return fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor); any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor (a collective: every rank calls it), or the tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded `state_dict`, on rank 0's CPU ({} on the other ranks; every rank
+    calls it)."""
+    return get_model_state_dict(model, options=FULL)
+
+
+def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], is_main: bool) -> None:
+    """Load a full `state_dict` that rank 0 holds into the sharded `model`: each rank receives
+    its shards from rank 0 (every rank calls it)."""
+    set_model_state_dict(model, dict(state_dict) if is_main else {}, options=FROM_RANK_0)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full `optimizer.state_dict()` as one process's optimizer would give it, on rank 0
+    ({} on the others; every rank calls it).
+
+    PyTorch gathers it keyed by parameter names; a plain optimizer numbers its parameters in
+    order through its parameter groups, which is what is saved, so that it loads anywhere.
+    """
+    state = get_optimizer_state_dict(model, optimizer, options=FULL)
+    if not state:
+        return state
+    numbers: dict[str, int] = {}
+    for group in state["param_groups"]:
+        for name in group["params"]:
+            numbers[name] = len(numbers)
+    return {
+        "state": {numbers[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [numbers[name] for name in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a full, plain `optimizer.state_dict()` (numbered parameters) into the optimizer of
+    the sharded `model`; every rank holds `state` and keeps its own shards of it."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {
+        "state": {ordered[number]: value for number, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [ordered[number] for number in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
