@@ -25,8 +25,8 @@ from src.settings import Trainer, read_settings
 from src.training import (
     Fitted,
     build_scheduler,
-    channels_last_and_compile,
     check_accumulation,
+    compiled,
     configure_kernels,
     evaluate_and_log,
     fit,
@@ -145,7 +145,11 @@ def build_model(
     drift.check_start(model, process)  # under DDP: every rank's weights are rank 0's
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return distributed.wrap(channels_last_and_compile(model, trainer), cfg, process, trainer)
+    if trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if process.mode == "fsdp":  # compiled with FSDP's hooks, which gather each unit's weights
+        return compiled(distributed.wrap(model, cfg, process, trainer), trainer)
+    return distributed.wrap(compiled(model, trainer), cfg, process, trainer)
 
 
 def build_parts(

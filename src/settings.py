@@ -173,6 +173,12 @@ def check_fsdp(cfg: DictConfig) -> None:
             "parallel.sync_batchnorm=true is DDP's: parallel=fsdp normalises each rank's share by "
             "its own statistics. Use parallel=ddp for SyncBatchNorm, or leave it false."
         )
+    if cfg.trainer.channels_last:
+        raise UserError(
+            "trainer.channels_last=true with parallel=fsdp: this torch's FSDP shards contiguous "
+            "parameters only, and channels-last convolution weights are not. Use parallel=ddp "
+            "for channels-last, or trainer.channels_last=false."
+        )
     if cfg.parallel.find_unused_parameters:
         raise UserError(
             "parallel.find_unused_parameters=true is DDP's: FSDP needs no search for parameters "

@@ -64,18 +64,14 @@ def configure_kernels(trainer: Trainer) -> None:
     torch.set_float32_matmul_precision(trainer.matmul_precision)
 
 
-def channels_last_and_compile(model: nn.Module, trainer: Trainer) -> nn.Module:
-    """The plain model, channels-last and compiled as `trainer` asks; before any DDP wrapper."""
-    if trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if trainer.compile:
-        mode = None if trainer.compile is True else trainer.compile
-        # CUDA graphs record one graph per batch shape: static shapes, each compiled in the
-        # warm-up, rather than a dynamic-shape recompile inside the first timed epoch.
-        model = torch.compile(
-            model, mode=mode, dynamic=False if mode == "reduce-overhead" else None
-        )
-    return model
+def compiled(model: nn.Module, trainer: Trainer) -> nn.Module:
+    """The model compiled as `trainer.compile` asks: inside a DDP wrapper, around FSDP's."""
+    if not trainer.compile:
+        return model
+    mode = None if trainer.compile is True else trainer.compile
+    # CUDA graphs record one graph per batch shape: static shapes, each compiled in the warm-up,
+    # rather than a dynamic-shape recompile inside the first timed epoch.
+    return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
 
 
 def autocast(device: torch.device, trainer: Trainer | None) -> AbstractContextManager:

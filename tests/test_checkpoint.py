@@ -266,34 +266,41 @@ def test_a_restart_meets_although_a_rank_died_before_it_joined(tmp_path, tiny_da
     assert "Test on" in printed(result)
 
 
+MODES = {"none": None, "dp": None, "ddp": 2, "fsdp": 2}  # mode: processes under torchrun
+
+
 @pytest.mark.slow
-def test_checkpoints_load_into_every_parallel_mode(tmp_path, tiny_data):
-    """Saved under none, dp and ddp; each evaluated under none, dp and ddp: the same accuracy.
-    (Without GPUs, dp trains on one device after a warning; the checkpoint path is the same.)"""
-    modes = {"none": None, "dp": None, "ddp": 2}
-    for saved, nproc in modes.items():
-        run_dir = tmp_path / f"saved-{saved}"
-        overrides = [f"data.root={tiny_data}", *RUN, "model=cnn", f"parallel={saved}"]
-        ok(train([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, nproc=nproc))
-        accuracy = read_test(run_dir)["test/acc"]  # of best.pt: the one epoch's weights
-        for loaded, nproc2 in modes.items():
-            evaluated = tmp_path / f"{saved}-in-{loaded}"
-            ok(
-                train(
-                    [
-                        f"data.root={tiny_data}",
-                        "logger=none",
-                        "model=cnn",
-                        f"parallel={loaded}",
-                        "train=false",
-                        f"ckpt_path={run_dir / 'checkpoints' / 'last.pt'}",
-                        f"hydra.run.dir={evaluated}",
-                    ],
-                    tmp_path,
-                    nproc=nproc2,
+def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data):
+    """Saved after one epoch under none, dp, ddp and fsdp, each resumed for a second epoch under
+    each mode (Adam's moments and step counts included): the same final weights as one
+    uninterrupted run, and the same test, on the best.pt each resumed run loads. (Without GPUs,
+    dp trains on one device after a warning; the checkpoint path is the same.)"""
+    # Adam divides by sqrt(v) + eps: with its default eps a gradient near zero turns the noise of
+    # another summation order into steps of 1e-5; eps=0.01 keeps them at float32's noise.
+    common = [f"data.root={tiny_data}", *RUN, "optimizer=adam", "+optimizer.eps=0.01"]
+    whole = tmp_path / "whole"
+    ok(train([*common, "trainer.epochs=2", f"hydra.run.dir={whole}"], tmp_path))
+    for saved, nproc in MODES.items():
+        first = tmp_path / f"saved-{saved}"
+        overrides = [*common, f"parallel={saved}", "trainer.epochs=1", f"hydra.run.dir={first}"]
+        ok(train(overrides, tmp_path, nproc=nproc))
+        assert list(last(first)["optimizer"]["state"]) == [0, 1, 2, 3]  # plain, numbered
+        for loaded, nproc2 in MODES.items():
+            resumed = tmp_path / f"{saved}-in-{loaded}"
+            resume = f"resume={first / 'checkpoints' / 'last.pt'}"
+            overrides = [*common, f"parallel={loaded}", "trainer.epochs=2", resume,
+                         f"hydra.run.dir={resumed}"]  # fmt: skip
+            result = ok(train(overrides, tmp_path, nproc=nproc2))
+            assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
+            got, want = last(resumed), last(whole)
+            assert got["step"] == want["step"]
+            for key, tensor in want["model"].items():
+                torch.testing.assert_close(
+                    got["model"][key], tensor, rtol=0, atol=1e-6, msg=f"{saved} in {loaded}: {key}"
                 )
-            )
-            assert read_test(evaluated)["test/acc"] == accuracy, (saved, loaded)
+            for number, moments in want["optimizer"]["state"].items():
+                assert got["optimizer"]["state"][number]["step"] == moments["step"]
+            assert read_test(resumed)["test/correct"] == read_test(whole)["test/correct"]
 
 
 @pytest.mark.slow
