@@ -95,6 +95,9 @@ def load_optimizer_state(
 ) -> None:
     """Load a full, plain `optimizer.state_dict()` (numbered parameters) into the optimizer of
     the sharded `model`; every rank holds `state` and keeps its own shards of it."""
+    if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings only
+        optimizer.load_state_dict(state)
+        return
     names = {id(p): name for name, p in model.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {

@@ -209,8 +209,9 @@ def worker_pids(agent: subprocess.Popen) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folder(
-    tmp_path, tiny_data
+    tmp_path, tiny_data, mode
 ):
     """A real SIGKILL of rank 1 in the middle of training; torchrun --max-restarts=1 starts the
     group again, which continues from last.pt in the same run folder and ends like a run
@@ -218,7 +219,7 @@ def test_torchrun_restarts_a_killed_worker_group_which_resumes_in_the_same_folde
     overrides = [
         f"data.root={tiny_data}",
         *RUN,
-        "parallel=ddp",
+        f"parallel={mode}",
         *EARLY_STOPPING,
         "checkpoint.every_n_steps=5",
     ]
