@@ -247,7 +247,7 @@ def train_epoch(
     bar.close()
     if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
         parts.scheduler.step()
-    return throughput(started, images_seen, process.device)
+    return {**throughput(started, images_seen, process.device), "memory/state_mb": state_mb(parts)}
 
 
 def train_step(
@@ -508,13 +508,25 @@ def throughput(started: float, images: int, device: torch.device) -> dict[str, f
     return speed
 
 
+def state_mb(parts: Parts) -> float:
+    """MiB of this rank's weights, gradients and optimizer state: the tensors themselves, which
+    FSDP shards over the ranks (1/N on each) and every other mode holds whole."""
+    parameters = list(parts.model.parameters())
+    grads = [p.grad for p in parameters if p.grad is not None]
+    moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = (fsdp.local(t) for t in chain(parameters, grads, moments))
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
 def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger | None) -> None:
     log.info(
-        "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB",
+        "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB (weights, gradients and "
+        "optimizer state %.1f MB)",
         progress.epoch,
         speed["time/train_s"],
         speed["time/images_per_s"],
         speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
+        speed["memory/state_mb"],
     )
     if logger:
         logger.log({**progress.record, **speed})

@@ -58,3 +58,25 @@ def test_the_drift_guard_rows_measure_its_cost(tmp_path, tiny_data):
     ]  # fmt: skip
     assert "- mlp, 2 processes: " in (out / "table.md").read_text()
     assert " ms a check; every step " in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_memory_report_shows_fsdp_sharding_the_training_state(tmp_path, tiny_data):
+    """bench/memory.py at 2 processes: DDP holds the whole of the weights, gradients and Adam's
+    moments on each rank, FSDP half of them (up to the padding of uneven shards)."""
+    command = [sys.executable, "bench/memory.py", "--hidden=64", "--processes", "2",
+               "--steps=2", f"--root={tiny_data}", f"--out={tmp_path}"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    rows = {(r["mode"], r["processes"]): r for r in csv.DictReader((out / "results.csv").open())}
+    assert list(rows) == [("none", "1"), ("ddp", "2"), ("fsdp", "2")]
+    whole = float(rows["none", "1"]["state_mb"])
+    # 784·64 + 64 + 64·10 + 10 parameters, 4 bytes each, as weights, gradients and 2 moments.
+    assert whole == pytest.approx(4 * 4 * (784 * 64 + 64 + 64 * 10 + 10) / 2**20, rel=1e-3)
+    assert float(rows["ddp", "2"]["state_mb"]) == whole
+    assert 0.5 <= float(rows["fsdp", "2"]["state_mb"]) / whole < 0.51
+    assert all(float(r["peak_mb"]) > 0 for r in rows.values())
+    assert "| fsdp | 2 |" in (out / "table.md").read_text()
