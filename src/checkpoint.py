@@ -13,6 +13,8 @@ import logging
 import pickle
 import random
 import re
+import shutil
+import uuid
 import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 # What wrappers prepend to parameter names: DataParallel/DDP, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 TRAINING_KEYS = ("model", "optimizer", "scheduler", "epoch", "epoch_step", "step", "rng")
+SHARDS = "shards"  # checkpoint.sharded=true: the folder beside the file with the model's and the
+# optimizer's shards, which the file holds instead of them
 
 
 @dataclass
@@ -197,9 +201,24 @@ class Checkpointer:
         if copy_of:
             fault = storage.on_main(self.process, lambda: storage.copy_atomically(copy_of, path))
         else:
-            fault = save(path, self.process, self.parts, progress, self.config, self.wandb_id)
+            fault = save(path, self.process, self.parts, progress, self.config, self.wandb_id,
+                         self.policy.sharded)  # fmt: skip
         if fault:
             raise self.stopped(fault, progress.step)
+        if self.policy.sharded and self.process.is_main:
+            remove_unnamed_shards(path.parent)
+
+
+def remove_unnamed_shards(folder: Path) -> None:
+    """Remove the shard folders that neither last.pt nor best.pt names any more."""
+    named = {
+        torch.load(f, map_location="cpu", weights_only=True).get(SHARDS)
+        for f in (folder / "last.pt", folder / "best.pt")
+        if f.is_file()
+    }
+    for shards in folder.glob("shards-*"):
+        if shards.name not in named:
+            shutil.rmtree(shards, ignore_errors=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -234,6 +253,7 @@ def save(
     progress: Progress,
     config: dict[str, Any],
     wandb_id: str | None,
+    sharded: bool = False,
 ) -> storage.Fault | None:
     """Write a checkpoint to `path` from the main process, atomically; every rank waits for it,
     and returns the storage's refusal if there was one (a full disk), on every rank.
@@ -242,14 +262,27 @@ def save(
     gradient scaler. Each rank's random state is kept (dropout differs per rank), gathered to the
     main process. The file is written beside its final name and renamed over it, so a kill
     during the write, or a refused one, leaves the previous checkpoint whole.
+
+    `sharded` (FSDP): each rank writes its shards of the model and the optimizer into a new
+    folder beside `path` (torch.distributed.checkpoint's format), and the file names that folder
+    instead of holding them; it replaces the previous file only once every shard is written.
     """
     rng = process.all_gather_object(rng_state())
-    model, optimizer = model_state(parts.model), optimizer_state(parts.model, parts.optimizer)
+    if sharded:  # first every rank's shards; the file that names them after, from rank 0
+        shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
+        model, optimizer = unwrap(parts.model), parts.optimizer
+        if fault := storage.agree(process, storage.attempt(
+            lambda: fsdp.save_sharded(model, optimizer, shards), shards
+        )):  # fmt: skip
+            return fault
+        weights = {SHARDS: shards.name}
+    else:
+        model = model_state(parts.model)
+        weights = {"model": model, "optimizer": optimizer_state(parts.model, parts.optimizer)}
 
     def write() -> None:
         state = {
-            "model": model,
-            "optimizer": optimizer,
+            **weights,
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(),  # {} unless trainer.precision=16
             "epoch": progress.epoch,
@@ -284,7 +317,11 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def _copy(source: Path, target: Path) -> None:
+    """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    shards = torch.load(source, map_location="cpu", weights_only=True).get(SHARDS)
+    if shards:
+        shutil.copytree(source.parent / shards, target.parent / shards, dirs_exist_ok=True)
     storage.copy_atomically(source, target)
 
 
@@ -349,7 +386,9 @@ def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
     errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    if fsdp.is_sharded(model):  # each rank receives its shards of rank 0's weights
+    if shards := process.broadcast_object(loaded.get(SHARDS)):
+        fsdp.load_sharded(model, Path(shards))
+    elif fsdp.is_sharded(model):  # each rank receives its shards of rank 0's weights
         fsdp.load_model_state(model, loaded, process.is_main)
     else:
         process.broadcast_tensors(model.state_dict().values())
@@ -383,6 +422,11 @@ def load(path: Path, process: Process, weights_only: bool = False) -> dict[str, 
     errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
+    if SHARDS in state and process.mode != "fsdp":
+        raise UserError(
+            f"{path} holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp "
+            "reads, with any number of processes: add parallel=fsdp."
+        )
     return state
 
 
@@ -392,6 +436,9 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
     if weights_only and _is_state_dict(state):
         state = {"model": state}
     needed = ("model",) if weights_only else TRAINING_KEYS
+    if isinstance(state, dict) and SHARDS in state:  # checkpoint.sharded=true: beside the file
+        needed = tuple(key for key in needed if key not in ("model", "optimizer"))
+        state[SHARDS] = str(path.parent / state[SHARDS])
     missing = [key for key in needed if not isinstance(state, dict) or key not in state]
     if missing:
         raise UserError(
@@ -444,6 +491,8 @@ def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str,
     Prefixes that DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) add are removed.
     A checkpoint of another architecture stops with the first keys and shapes that differ.
     """
+    if SHARDS in state:  # loaded into the sharded model, by every rank
+        return {SHARDS: state[SHARDS]}
     state_dict = OrderedDict(state["model"])
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
@@ -478,7 +527,9 @@ def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
     Returns False when the random streams could not continue (another number of processes).
     """
     model = unwrap(parts.model)
-    if fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
+    if SHARDS in state:  # checkpoint.sharded=true: each rank reads its own parts
+        fsdp.load_sharded(model, Path(state[SHARDS]), parts.optimizer)
+    elif fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
         fsdp.load_optimizer_state(model, parts.optimizer, state["optimizer"])
     else:
         parts.optimizer.load_state_dict(state["optimizer"])

@@ -10,10 +10,13 @@ rank its own part, for models too large to gather on one rank.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -109,3 +112,37 @@ def load_optimizer_state(
     }
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Write the model's and the optimizer's shards into `folder`, each rank its own file, in
+    `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage refused
+    on any rank is raised as that OSError, on every rank."""
+    folder.parent.mkdir(exist_ok=True)  # not the run folder: one deleted meanwhile is reported
+    folder.mkdir(exist_ok=True)
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+    try:
+        dcp.save(state, checkpoint_id=folder)
+    except CheckpointException as err:
+        refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def load_sharded(
+    model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load the model's shards from `folder` (or, given the `optimizer`, its shards only), saved
+    by `save_sharded` with any number of ranks: each rank reads the parts of its own shards."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(model, state["model"])
+    else:
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=folder)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -123,6 +123,7 @@ class Checkpointing:
     every_n_steps: int | None = None
     monitor: str = "val/acc"
     mode: str = "max"
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, "checkpoint")
@@ -206,6 +207,11 @@ def read_settings(cfg: DictConfig) -> Settings:
         _refuse("scheduler.interval", interval, "epoch or step")
     if cfg.parallel.mode == "fsdp":
         check_fsdp(cfg)
+    elif cfg.checkpoint.get("sharded"):
+        raise UserError(
+            "checkpoint.sharded=true writes each FSDP rank's shards, and parallel="
+            f"{cfg.parallel.mode} holds whole weights: use parallel=fsdp, or leave it false."
+        )
     if cfg.parallel.get("sync_batchnorm", False) and cfg.parallel.mode != "ddp":
         raise UserError(
             "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "

@@ -305,6 +305,45 @@ def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
+def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
+    """checkpoint.sharded=true under fsdp: each rank writes its shards, last.pt names their
+    folder; 3 processes resume from the shards of 2 (torch.distributed.checkpoint reshards) and
+    end as one uninterrupted process does, testing the sharded best.pt. Only the folders a file
+    names are kept, and another mode refuses the checkpoint with one sentence."""
+    common = [f"data.root={tiny_data}", *RUN, "optimizer=adam", "+optimizer.eps=0.01",
+              "data.batch_size=24"]  # fmt: skip
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    ok(train([*common, "trainer.epochs=2", f"hydra.run.dir={whole}"], tmp_path))
+    sharded = [*common, "parallel=fsdp", "checkpoint.sharded=true", f"hydra.run.dir={parts}"]
+    ok(train([*sharded, "trainer.epochs=1"], tmp_path, nproc=2))
+    first = last(parts)
+    assert "model" not in first and "optimizer" not in first
+    assert sorted(p.name for p in (parts / "checkpoints" / first["shards"]).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    refused = train([*common, "trainer.epochs=2", f"hydra.run.dir={parts}"], tmp_path)
+    assert refused.returncode == 1
+    assert "holds its weights in shards (checkpoint.sharded=true)" in printed(refused)
+
+    result = ok(train([*sharded, "trainer.epochs=2"], tmp_path, nproc=3))
+    assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
+    final, want = last(parts), last(whole)
+    assert final["step"] == want["step"] and final["best"] == want["best"]
+    folders = sorted(p.name for p in (parts / "checkpoints").glob("shards-*"))
+    assert folders == sorted({final["shards"], load(parts / "checkpoints" / "best.pt")["shards"]})
+    # The final weights, read back from the shards by one more (evaluating) fsdp run.
+    evaluated = tmp_path / "evaluated"
+    ok(train([*common, "parallel=fsdp", "train=false", f"hydra.run.dir={evaluated}",
+              f"ckpt_path={parts / 'checkpoints' / 'last.pt'}"], tmp_path, nproc=2))  # fmt: skip
+    test, expected = read_test(parts), read_test(whole)  # of best.pt, read from its shards
+    assert test["test/correct"] == expected["test/correct"]
+    assert test["test/loss"] == pytest.approx(expected["test/loss"], rel=1e-5)
+    validated = [m for m in read_metrics(evaluated)[1] if "val/loss" in m]
+    last_validation = [m for m in read_metrics(whole)[1] if "val/loss" in m][-1]
+    assert validated[0]["val/loss"] == pytest.approx(last_validation["val/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod."])
 def test_init_from_a_bare_state_dict_of_a_wrapped_model(tmp_path, tiny_data, prefix):
     """A foreign file: `torch.save(ddp_model.state_dict())` or a compiled model's. With lr=0 the

@@ -198,6 +198,7 @@ def test_every_yaml_key_has_a_comment():
         ("parallel=fsdp parallel.sync_batchnorm=true", "sync_batchnorm=true is DDP.s: parallel="),
         ("parallel=fsdp parallel.find_unused_parameters=true", "FSDP needs no search for"),
         ("parallel=fsdp trainer.channels_last=true", "FSDP shards contiguous parameters only"),
+        ("checkpoint.sharded=true", "sharded=true writes each FSDP rank's shards, and parallel="),
         pytest.param(
             "parallel=ddp parallel.sync_batchnorm=true",
             "sync_batchnorm=true needs CUDA GPUs: PyTorch's SyncBatchNorm runs only there",
@@ -231,6 +232,7 @@ def test_values_training_cannot_use_are_refused(override, message):
         "debug=equivalence",
         "parallel=ddp parallel.check_sync_every_n_steps=5",
         "parallel=ddp parallel.check_sync_every_n_steps=null",
+        "parallel=fsdp checkpoint.sharded=true",
         "parallel=fsdp trainer.precision=16 trainer.compile=true trainer.accumulate_grad_batches=2",
         "experiment=examples_mnist",
         "hparams_search=optuna",
