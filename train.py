@@ -1,9 +1,10 @@
-"""Train a classifier on MNIST on one device, with DataParallel, or with DDP under torchrun.
+"""Train a classifier on MNIST on one device, with DataParallel, or with DDP or FSDP under torchrun.
 
     python train.py                                           # one device
     python train.py parallel=dp                               # nn.DataParallel over the GPUs
     torchrun --nproc_per_node=4 train.py parallel=ddp         # DistributedDataParallel, 4 processes
     python train.py parallel=ddp parallel.nproc_per_node=4    # the same, processes started here
+    torchrun --nproc_per_node=4 train.py parallel=fsdp        # FSDP: the model sharded over 4
     python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn    # a Hydra sweep
     python train.py train=false ckpt_path=PATH                # evaluate a checkpoint
     python train.py debug=equivalence model=cnn               # does DDP train it as one process?

@@ -62,9 +62,10 @@ def test_the_drift_guard_rows_measure_its_cost(tmp_path, tiny_data):
 
 @pytest.mark.slow
 def test_memory_report_shows_fsdp_sharding_the_training_state(tmp_path, tiny_data):
-    """bench/memory.py at 2 processes: DDP holds the whole of the weights, gradients and Adam's
-    moments on each rank, FSDP half of them (up to the padding of uneven shards)."""
-    command = [sys.executable, "bench/memory.py", "--hidden=64", "--processes", "2",
+    """The README's bench/memory.py, at 2 processes: DDP holds the whole of the weights,
+    gradients and Adam's moments on each rank, FSDP half of them (up to uneven shards' padding)."""
+    (readme,) = [c for c in readme_commands() if c.startswith("python bench/memory.py")]
+    command = [sys.executable, *readme.split()[1:], "--hidden=64", "--processes", "2",
                "--steps=2", f"--root={tiny_data}", f"--out={tmp_path}"]  # fmt: skip
     result = subprocess.run(
         command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300

@@ -103,6 +103,32 @@ def test_ddp_over_two_gpus_with_nccl_trains_what_one_process_trains(tmp_path, ti
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "16"])
+def test_fsdp_on_one_gpu_in_mixed_precision(tmp_path, tiny_data, precision):
+    """FSDP with nccl on one GPU (one process): its MixedPrecisionPolicy, float16's sharded
+    scaler, and a plain checkpoint that one process evaluates alike."""
+    overrides = [f"data.root={tiny_data}", *SHORT, f"trainer.precision={precision}"]
+    result = ok(train([*overrides, "parallel=fsdp"], tmp_path / "fsdp", nproc=1))
+    assert "backend nccl, this is rank 0 on cuda:0" in printed(result)
+    run_dir = single_run(tmp_path / "fsdp")
+    assert all(math.isfinite(m["train/loss"]) for m in read_metrics(run_dir)[0])
+    evaluated = [f"data.root={tiny_data}", "logger=none", "train=false",
+                 f"ckpt_path={run_dir / 'checkpoints' / 'last.pt'}"]  # fmt: skip
+    ok(train(evaluated, tmp_path / "none"))
+    assert read_test(single_run(tmp_path / "none"))["test/correct"] > 0
+
+
+@two_gpus
+def test_fsdp_over_two_gpus_with_nccl_trains_what_one_process_trains(tmp_path, tiny_data):
+    overrides = [f"data.root={tiny_data}", *SHORT, "data.batch_size=24"]
+    ok(train(overrides, tmp_path / "none"))
+    result = ok(train([*overrides, "parallel=fsdp"], tmp_path / "fsdp", nproc=2))
+    assert "FSDP: 2 processes, backend nccl" in printed(result)
+    steps = [read_metrics(single_run(tmp_path / mode))[0] for mode in ("fsdp", "none")]
+    for ours, ref in zip(*steps, strict=True):
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4)
+
+
 @two_gpus
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_debug_equivalence_compares_on_two_gpus_with_nccl(tmp_path, tiny_data, model):

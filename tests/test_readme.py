@@ -1,7 +1,8 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
 The set-up commands (pip, apt-get), `pytest` itself and writing Fashion-MNIST as an image folder
-are run by .ci/run, the benchmarks by tests/test_bench.py and tests/test_scaling.py.
+are run by .ci/run, the benchmarks by tests/test_bench.py (bench/memory.py too) and
+tests/test_scaling.py.
 """
 
 import re
@@ -27,7 +28,8 @@ RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distribu
 SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_per_node=4",
                  "torch.distributed.launch", "debug=equivalence model=cnn")  # fmt: skip
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py",
-          "python bench/write_image_folder.py", "python bench/scaling.py")  # fmt: skip
+          "python bench/write_image_folder.py", "python bench/scaling.py",
+          "python bench/memory.py")  # fmt: skip
 
 
 @pytest.mark.unit
