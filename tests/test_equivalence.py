@@ -219,7 +219,8 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data, mode):
     """Two torchrun agents, as on two machines (here both on 127.0.0.1), 2 processes each, meet
     through torchrun's c10d rendezvous: 4 ranks, one run folder, one wandb run, and the same
     training as one process (a rank that did not train its share would change the losses)."""
@@ -228,7 +229,7 @@ def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data):
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tmp_path.name}",
                str(REPO / "train.py"), f"data.root={tiny_data}", *RECIPE, "logger=wandb",
-               "parallel=ddp", f"paths.log_dir={tmp_path / 'outputs'}"]  # fmt: skip
+               f"parallel={mode}", f"paths.log_dir={tmp_path / 'outputs'}"]  # fmt: skip
     agents = [
         subprocess.Popen(
             command,
@@ -242,7 +243,7 @@ def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data):
     ]
     outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
-    assert "DDP: 4 processes" in "".join(outputs)
+    assert f"{mode.upper()}: 4 processes" in "".join(outputs)
     (run_dir,) = run_dirs(tmp_path)
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
     steps, evals = read_metrics(run_dir)

@@ -44,13 +44,14 @@ def printed(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
-def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data, mode):
     env = offline_env(HOME=str(tmp_path / "home"))
     result = train(
         [
             "-m",
             f"data.root={tiny_data}",
-            "parallel=ddp",
+            f"parallel={mode}",
             "parallel.nproc_per_node=2",
             "trainer.max_steps=3",
             "trainer.log_every_n_steps=1",
@@ -66,7 +67,7 @@ def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data):
     for job, lr in zip(jobs, [0.1, 0.01], strict=True):
         steps, evals = read_metrics(job)
         assert [m["lr"] for m in steps] == [lr] * 3 and evals
-        assert "DDP: 2 processes" in (job / "train.log").read_text()
+        assert f"{mode.upper()}: 2 processes" in (job / "train.log").read_text()
         assert len(list(job.glob("wandb/offline-run-*"))) == 1
         assert wandb_summary(job)["state"] == "finished"
     assert processes_in(tmp_path) == []

@@ -294,9 +294,11 @@ def test_channels_last_cnn_trains_like_the_default_layout(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
-def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_data):
-    """torch.compile before DDP wraps the model: the same losses, and no _orig_mod. prefix."""
-    overrides = [f"data.root={tiny_data}", *SMOKE, "parallel=ddp", "trainer.max_steps=3"]
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_data, mode):
+    """torch.compile inside DDP's wrapper (around FSDP's): the same losses, and no _orig_mod.
+    prefix."""
+    overrides = [f"data.root={tiny_data}", *SMOKE, f"parallel={mode}", "trainer.max_steps=3"]
     ok(train([*overrides, "trainer.compile=true"], tmp_path / "compiled", nproc=2))
     ok(train(overrides, tmp_path / "eager", nproc=2))
     (steps, _), (reference, _) = (
@@ -341,8 +343,9 @@ def test_warm_up_steps_are_undone(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
-def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data):
-    overrides = [f"data.root={tiny_data}", *SMOKE, "parallel=ddp", "optimizer=adam",
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data, mode):
+    overrides = [f"data.root={tiny_data}", *SMOKE, f"parallel={mode}", "optimizer=adam",
                  "trainer.compile=true"]  # fmt: skip
     (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides, nproc=2)
     assert without_timings(warm) == without_timings(plain)
@@ -351,10 +354,12 @@ def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
-def test_pictures_of_the_run_are_drawn_and_logged_to_wandb(tmp_path, tiny_data):
-    """curves.png and predictions.png by rank 0 of a DDP run, also logged to the wandb run."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_pictures_of_the_run_are_drawn_and_logged_to_wandb(tmp_path, tiny_data, mode):
+    """curves.png and predictions.png by rank 0 of a DDP run, also logged to the wandb run (under
+    FSDP every rank runs the predictions' forward, a collective)."""
     env = offline_env(HOME=str(tmp_path / "home"))
-    overrides = ["data=fashion_mnist", f"data.root={tiny_data}", "parallel=ddp", "plots=true"]
+    overrides = ["data=fashion_mnist", f"data.root={tiny_data}", f"parallel={mode}", "plots=true"]
     ok(train(overrides, tmp_path, nproc=2, env=env))
     run_dir = single_run(tmp_path)
     for picture in ("curves.png", "predictions.png"):
