@@ -1,5 +1,5 @@
-"""`python train.py debug=equivalence <your overrides>`: does DDP train your config exactly as one
-process does?
+"""`python train.py debug=equivalence <your overrides>`: does DDP (or FSDP, with parallel=fsdp)
+train your config exactly as one process does?
 
 It trains `debug.steps` optimizer steps of the config as composed (model, optimizer, schedule,
 precision, batches) in up to four layouts, from the same initial weights on the same global
@@ -8,7 +8,7 @@ accumulation), 2 DDP processes, and 2 DDP processes in micro-batches. Then it ev
 layout's weights on the validation and test splits, prints a table and a verdict, and exits 1
 when a layout differs from the reference by more than float rounding, with the likely causes it
 can see. The DDP processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there
-are 2.
+are 2; with parallel=fsdp in the overrides they are FSDP processes instead.
 
 Dropout layers are switched off in every layout: each process draws its own masks, so with
 them no two layouts could agree. Randomness of any other kind is one of the causes named.
@@ -94,15 +94,16 @@ def check(cfg: DictConfig) -> None:
         "Training %d steps in each layout, dropout off, on %s (%s)",
         steps, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
     )  # fmt: skip
+    mode = "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"  # of the processes compared
     one = layout_config(cfg, "cuda" if gpus else "cpu", micro, "none")
-    ddp = layout_config(cfg, "cuda" if gpus else "cpu", micro, "ddp")
+    ddp = layout_config(cfg, "cuda" if gpus else "cpu", micro, mode)
     process = Process(device=distributed.pick_device(one.device))
     configure_kernels(trainer)
     data = instantiate(one.data)
     data.setup(process)
     traces = train_layouts(one, trainer, process, data)
     traces += launch.start_workers(ddp_layouts, ddp)
-    layouts = dict(zip(layout_names(micro), traces, strict=True))
+    layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
     reference = traces[0]
     rows = {name: compare(trace, reference, steps) for name, trace in layouts.items()}
     log.info("\n%s", table(rows, reference))
@@ -112,8 +113,8 @@ def check(cfg: DictConfig) -> None:
             "Equivalent: every layout trains this config as one process does, within %s "
             "rounding (tolerance %.0e): %s only the speed.",
             "float32" if tolerance == FLOAT32 else "its precision's", tolerance,
-            "parallel=ddp and trainer.accumulate_grad_batches change" if micro
-            else "parallel=ddp changes",
+            f"parallel={mode} and trainer.accumulate_grad_batches change" if micro
+            else f"parallel={mode} changes",
         )  # fmt: skip
         return
     model, batch = probe(one, trainer, process, data)
@@ -143,23 +144,23 @@ def micro_batches(cfg: DictConfig, trainer: Trainer) -> int | None:
     return micro
 
 
-def layout_names(micro: int | None) -> list[str]:
+def layout_names(micro: int | None, mode: str = "ddp") -> list[str]:
     """The layouts, in the order they are trained: each process count, then with micro-batches."""
     names = []
-    for processes in ("1 process", f"{PROCESSES} DDP processes"):
+    for processes in ("1 process", f"{PROCESSES} {mode.upper()} processes"):
         names += [processes] + ([f"{processes} × {micro} micro-batches"] if micro else [])
     names[0] += " (reference)"
     return names
 
 
 def layout_config(cfg: DictConfig, device: str, micro: int | None, mode: str) -> DictConfig:
-    """The user's config on `device`, in one process (`mode=none`) or 2 DDP processes, with
-    their DDP settings if they chose parallel=ddp, and the layouts' micro-batches."""
+    """The user's config on `device`, in one process (`mode=none`) or 2 DDP (FSDP) processes,
+    with their own settings of that mode if they chose it, and the layouts' micro-batches."""
     config = OmegaConf.to_container(cfg, resolve=True)
     parallel = OmegaConf.load(CONF / "parallel" / f"{mode}.yaml")
-    if mode == "ddp" and cfg.parallel.mode == "ddp":
+    if mode != "none" and cfg.parallel.mode == mode:
         parallel = OmegaConf.merge(parallel, cfg.parallel)
-    parallel.nproc_per_node = PROCESSES if mode == "ddp" else None
+    parallel.nproc_per_node = PROCESSES if mode != "none" else None
     config.update(device=device, parallel=OmegaConf.to_container(parallel))
     config["debug"]["micro_batches"] = micro
     return OmegaConf.create(config)
@@ -215,7 +216,7 @@ def train_layout(
         if data.size(split):
             metrics = evaluate(model, data, split, process, trainer)
             trace.evals[split] = {**metrics, "size": data.size(split)}
-    state = distributed.unwrap(model).state_dict()
+    state = checkpoint.model_state(model)  # under FSDP gathered, onto rank 0
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
 
@@ -228,7 +229,7 @@ def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> N
             name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
         ]
         trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
-    if trace.drifted is None:
+    if trace.drifted is None and process.mode != "fsdp":  # FSDP's ranks hold different shards
         found = drift.differing(process, list(model.named_parameters()))
         trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
 

@@ -44,6 +44,19 @@ def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
     )
 
 
+def test_fsdp_processes_are_compared_when_the_config_chose_fsdp(tmp_path, tiny_data):
+    """parallel=fsdp in the overrides: the processes compared shard the model, under the user's
+    own FSDP settings (here the whole model as one unit)."""
+    overrides = ["parallel=fsdp", "parallel.shard_modules=[]"]
+    output = printed(ok(check(overrides, tmp_path, tiny_data)))
+    table = output[output.index("layout ") :].splitlines()
+    assert [line.split("  ")[0] for line in table[1:5]] == [
+        name.replace("DDP", "FSDP") for name in LAYOUTS
+    ]
+    assert "Equivalent: every layout trains this config as one process does" in output
+    assert "parallel=fsdp and trainer.accumulate_grad_batches change only the speed" in output
+
+
 def test_batchnorm_without_sync_is_named(tmp_path, tiny_data):
     result = check(["model=cnn_bn"], tmp_path, tiny_data)
     assert result.returncode == 1 and "Traceback" not in printed(result)
