@@ -109,7 +109,8 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
         if world_size > 1:
             raise UserError(
                 f"torchrun started {world_size} processes, but parallel={mode} trains in one. "
-                f"Add parallel=ddp, or run python train.py parallel={mode} without torchrun."
+                f"Add parallel=ddp (or fsdp), or run python train.py parallel={mode} without "
+                "torchrun."
             )
         return _single_process(cfg, trainer)
 
