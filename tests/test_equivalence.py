@@ -66,11 +66,10 @@ MODES = {
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
 }
 # Four self-launched processes on 2 cores is the slowest case, and ddp4 under torchrun shows the
-# same sums: it runs with the slow tests.
+# same sums: it runs with the slow tests, as do FSDP's second examples.
+SLOW = ("ddp4-self-launched", "fsdp4", "fsdp2-root-only")
 COMPARED = [
-    pytest.param(m, marks=pytest.mark.slow) if m == "ddp4-self-launched" else m
-    for m in MODES
-    if m != "none"
+    pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODES if m != "none"
 ]
 # float32 sums taken in another order differ in the last bits. Measured on CPU over these 27 steps:
 # losses within 1.4e-7 relative, weights within 7.5e-8 (2.7e-7 of the largest weight). The bounds
