@@ -1,6 +1,6 @@
 """Memory per rank under none, ddp and fsdp: what FSDP's sharding saves, measured in the template.
 
-    python bench/memory.py                       # MLP 784-16384-10, Adam (CPU: about 2 minutes)
+    python bench/memory.py                       # MLP 784-16384-10, Adam (CPU: about 1.5 minutes)
     python bench/memory.py --hidden 4096 --processes 2
 
 Each row is one real `python train.py` run (self-launched under ddp and fsdp: gloo on CPU, nccl

@@ -9,6 +9,7 @@ It also holds `best`: which evaluation was best by `checkpoint.monitor`, the one
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import random
@@ -261,19 +262,13 @@ def save(
     `parts` are the model (its plain `state_dict` is saved), the optimizer, the scheduler and the
     gradient scaler. Each rank's random state is kept (dropout differs per rank), gathered to the
     main process. The file is written beside its final name and renamed over it, so a kill
-    during the write, or a refused one, leaves the previous checkpoint whole.
-
-    `sharded` (FSDP): each rank writes its shards of the model and the optimizer into a new
-    folder beside `path` (torch.distributed.checkpoint's format), and the file names that folder
-    instead of holding them; it replaces the previous file only once every shard is written.
+    during the write, or a refused one, leaves the previous checkpoint whole. `sharded`: see
+    `save_shards`.
     """
     rng = process.all_gather_object(rng_state())
-    if sharded:  # first every rank's shards; the file that names them after, from rank 0
-        shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
-        model, optimizer = unwrap(parts.model), parts.optimizer
-        if fault := storage.agree(process, storage.attempt(
-            lambda: fsdp.save_sharded(model, optimizer, shards), shards
-        )):  # fmt: skip
+    if sharded:
+        shards, fault = save_shards(path, process, parts)
+        if fault:
             return fault
         weights = {SHARDS: shards.name}
     else:
@@ -316,10 +311,37 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return optimizer.state_dict()
 
 
+def save_shards(path: Path, process: Process, parts: Parts) -> tuple[Path, storage.Fault | None]:
+    """checkpoint.sharded=true (FSDP): every rank writes its shards of the model and the optimizer
+    into a new folder beside `path` (torch.distributed.checkpoint's format), which the file at
+    `path` then names instead of holding them: written after every shard, it replaces the
+    previous file, whose folder stays whole until then. Returns the folder, and the storage's
+    refusal on any rank, on every rank."""
+    shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
+    model = unwrap(parts.model)
+    # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
+    # shards' writer takes an unsharded tensor from whichever rank it picks.
+    process.broadcast_tensors(model.buffers())
+
+    def make() -> None:  # not parents=True: a run folder deleted meanwhile is reported
+        path.parent.mkdir(exist_ok=True)
+        shards.mkdir(exist_ok=True)
+
+    # The folder first, on every rank, so that no rank waits in the writer's collectives for one
+    # that could not make it.
+    if fault := storage.agree(process, storage.attempt(make, shards)):
+        return shards, fault
+    write = functools.partial(fsdp.save_sharded, model, parts.optimizer, shards)
+    return shards, storage.agree(process, storage.attempt(write, shards))
+
+
 def _copy(source: Path, target: Path) -> None:
     """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    shards = torch.load(source, map_location="cpu", weights_only=True).get(SHARDS)
+    try:
+        shards = _read(source).get(SHARDS)
+    except UserError:  # reported when best.pt is loaded
+        shards = None
     if shards:
         shutil.copytree(source.parent / shards, target.parent / shards, dirs_exist_ok=True)
     storage.copy_atomically(source, target)
@@ -377,19 +399,21 @@ def _best_pt_beside(
 def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
     """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run folder
     is rank 0's, which other machines may not see) and every other rank receives its weights."""
-    path, model, error, loaded = run_dir / "checkpoints" / "best.pt", unwrap(model), None, {}
+    path, model, error, state = run_dir / "checkpoints" / "best.pt", unwrap(model), None, {}
     if process.is_main:
         try:
-            loaded = load_model(model, path, _checked(path, weights_only=True))
+            state = _checked(path, weights_only=True)
+            if SHARDS not in state:
+                state["model"] = load_model(model, path, state)
         except UserError as err:
             error = str(err)
     errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    if shards := process.broadcast_object(loaded.get(SHARDS)):
-        fsdp.load_sharded(model, Path(shards))
+    if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
+        load_shards(model, path, shards)
     elif fsdp.is_sharded(model):  # each rank receives its shards of rank 0's weights
-        fsdp.load_model_state(model, loaded, process.is_main)
+        fsdp.load_model_state(model, state.get("model", {}), process.is_main)
     else:
         process.broadcast_tensors(model.state_dict().values())
 
@@ -439,6 +463,12 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
     if isinstance(state, dict) and SHARDS in state:  # checkpoint.sharded=true: beside the file
         needed = tuple(key for key in needed if key not in ("model", "optimizer"))
         state[SHARDS] = str(path.parent / state[SHARDS])
+        if not (Path(state[SHARDS]) / ".metadata").is_file():
+            raise UserError(
+                f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
+                "incomplete: copy that folder beside the file with it, or use an intact "
+                "checkpoint (best.pt is a second one)."
+            )
     missing = [key for key in needed if not isinstance(state, dict) or key not in state]
     if missing:
         raise UserError(
@@ -486,37 +516,51 @@ def _is_state_dict(obj: Any) -> bool:
 
 def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load the weights of checkpoint `state` (read from `path`) into the plain `model`, whatever
-    wrapper they were saved from; returns them, as the model names them.
+    wrapper they were saved from; returns them, as the model names them. (A model FSDP sharded
+    is only checked: it receives them from rank 0, in `load_best`.)
 
     Prefixes that DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) add are removed.
     A checkpoint of another architecture stops with the first keys and shapes that differ.
     """
-    if SHARDS in state:  # loaded into the sharded model, by every rank
-        return {SHARDS: state[SHARDS]}
     state_dict = OrderedDict(state["model"])
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
-    expected = model.state_dict()
-    problems = [
-        f"{key} {_shape(state_dict[key])} in the file, {_shape(tensor)} in the model"
-        for key, tensor in expected.items()
-        if key in state_dict and state_dict[key].shape != tensor.shape
-    ]
-    problems += [f"{key} missing from the file" for key in expected if key not in state_dict]
-    problems += [f"{key} not in the model" for key in state_dict if key not in expected]
-    if problems:
-        shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
-        raise UserError(
-            f"{path} holds weights of another architecture than {type(model).__name__} ({shown}). "
-            "Choose the model= (and its sizes) it was saved with."
-        )
-    if not fsdp.is_sharded(model):  # a sharded model receives it from rank 0 (load_best)
+    check_architecture(model, path, {key: tuple(t.shape) for key, t in state_dict.items()})
+    if not fsdp.is_sharded(model):
         model.load_state_dict(state_dict)
     return state_dict
 
 
-def _shape(tensor: torch.Tensor) -> str:
-    return "×".join(map(str, tensor.shape)) or "scalar"
+def load_shards(model: nn.Module, path: Path, shards: str) -> None:
+    """Load the model's weights from the `shards` folder that the checkpoint at `path` names
+    into the model FSDP sharded (every rank calls it, and reads its own parts)."""
+    check_architecture(model, path, fsdp.saved_shapes(Path(shards)))
+    fsdp.load_sharded(model, Path(shards))
+
+
+def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...]]) -> None:
+    """Stop with the first keys and shapes that differ between the `saved` tensors' shapes (of
+    the checkpoint at `path`) and the model's own."""
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    problems = [
+        f"{key} {_shape(saved[key])} in the file, {_shape(shape)} in the model"
+        for key, shape in expected.items()
+        if key in saved and saved[key] != shape
+    ]
+    problems += [f"{key} missing from the file" for key in expected if key not in saved]
+    problems += [f"{key} not in the model" for key in saved if key not in expected]
+    if problems:
+        shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
+        name = type(model).__name__.removeprefix("FSDP") if fsdp.is_sharded(model) else None
+        raise UserError(
+            f"{path} holds weights of another architecture than "
+            f"{name or type(model).__name__} ({shown}). "
+            "Choose the model= (and its sizes) it was saved with."
+        )
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape)) or "scalar"
 
 
 def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
@@ -528,7 +572,7 @@ def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
     """
     model = unwrap(parts.model)
     if SHARDS in state:  # checkpoint.sharded=true: each rank reads its own parts
-        fsdp.load_sharded(model, Path(state[SHARDS]), parts.optimizer)
+        fsdp.load_sharded(model, Path(state[SHARDS]), parts.optimizer)  # the model's: build_model
     elif fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
         fsdp.load_optimizer_state(model, parts.optimizer, state["optimizer"])
     else:

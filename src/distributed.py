@@ -278,8 +278,8 @@ def wrap(model: nn.Module, cfg: DictConfig, process: Process, trainer: Trainer) 
     or sharded by FSDP."""
     parallel = cfg.parallel
     if process.mode == "fsdp":
-        units = list(parallel.shard_modules)
-        return fsdp.shard(model, units, parallel.reshard_after_forward, trainer.autocast_dtype)
+        units, dtype = list(parallel.shard_modules), trainer.autocast_dtype
+        return fsdp.shard(model, units, parallel.reshard_after_forward, dtype, process.device)
     if process.mode == "ddp":
         return nn.parallel.DistributedDataParallel(
             model,

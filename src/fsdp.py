@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,24 +26,48 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0; {} on the others
+from src.errors import UserError
+
+# Gathered whole onto rank 0's CPU only (the other ranks get {}): no rank holds two copies on its
+# device, and only rank 0 writes the file.
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def shard(
-    model: nn.Module, units: list[str], reshard_after_forward: bool, dtype: torch.dtype | None
+    model: nn.Module,
+    units: list[str],
+    reshard_after_forward: bool,
+    dtype: torch.dtype | None,
+    device: torch.device,
 ) -> nn.Module:
     """Shard each module whose class is named in `units` as its own unit, then the rest of the
-    model as the root unit. `dtype` (bf16, float16) is the precision of the forward and backward;
-    the sharded weights, the optimizer and the gradients' reduction stay float32."""
-    mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    for module in list(model.modules())[1:]:
-        if type(module).__name__ in units:
-            fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
-    return fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
+    model as the root unit, over all the ranks on `device`'s type. `dtype` (bf16, float16) is the
+    precision of the forward and backward; the sharded weights, the optimizer and the gradients'
+    reduction stay float32."""
+    found = {type(m).__name__ for m in model.modules()}
+    if units and not found & set(units):
+        raise UserError(
+            f"parallel.shard_modules={list(units)} names no module of {type(model).__name__}, "
+            f"whose classes are {', '.join(sorted(found))}: name its blocks, or [] to shard it "
+            "as one unit."
+        )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not the GPU of a CPU run
+    low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    # BatchNorm in float32, as autocast runs it: beside its float32 statistics a low-precision
+    # weight is refused.
+    batch_norm = MixedPrecisionPolicy(param_dtype=torch.float32)
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    for module in reversed(list(model.modules())[1:]):  # a unit's inner units first
+        if dtype and isinstance(module, nn.modules.batchnorm._BatchNorm):
+            fully_shard(module, mp_policy=batch_norm, **options)
+        elif type(module).__name__ in units:
+            fully_shard(module, mp_policy=low, **options)
+    return fully_shard(model, mp_policy=low, **options)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -110,16 +136,15 @@ def load_optimizer_state(
             for group in state["param_groups"]
         ],
     }
-    options = StateDictOptions(full_state_dict=True)
+    # Not strict: parameters that never had a gradient have no state, as in a plain optimizer.
+    options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Write the model's and the optimizer's shards into `folder`, each rank its own file, in
-    `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage refused
-    on any rank is raised as that OSError, on every rank."""
-    folder.parent.mkdir(exist_ok=True)  # not the run folder: one deleted meanwhile is reported
-    folder.mkdir(exist_ok=True)
+    """Write the model's and the optimizer's shards into the existing `folder`, each rank its own
+    file, in `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage
+    refused on any rank is raised as that OSError, on every rank."""
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
@@ -131,6 +156,16 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
         if refused:
             raise refused[0] from None
         raise
+
+
+def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The model's tensors that the shards in `folder` hold, by name, and their whole shapes."""
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {
+        name.removeprefix("model."): tuple(meta.size)
+        for name, meta in saved.items()
+        if name.startswith("model.") and hasattr(meta, "size")
+    }
 
 
 def load_sharded(

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from src import checkpoint, distributed, drift, fsdp, plots, storage
+from src import checkpoint, distributed, drift, plots, storage
 from src.checkpoint import Checkpointer, Parts
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
@@ -140,7 +140,9 @@ def build_model(
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model = instantiate(cfg.model, **found).to(process.device)
-    loaded = weights and checkpoint.load_model(model, *weights)
+    shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
+    if weights and not shards:
+        checkpoint.load_model(model, *weights)
     drift.check_start(model, process)  # under DDP: every rank's weights are rank 0's
     if cfg.parallel.get("sync_batchnorm"):  # BatchNorm's statistics over all ranks' shares
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -148,8 +150,8 @@ def build_model(
         model = model.to(memory_format=torch.channels_last)
     if process.mode == "fsdp":  # compiled with FSDP's hooks, which gather each unit's weights
         model = distributed.wrap(model, cfg, process, trainer)
-        if loaded and checkpoint.SHARDS in loaded:  # each rank reads its own shards
-            fsdp.load_sharded(model, Path(loaded[checkpoint.SHARDS]))
+        if shards:  # each rank reads its own parts
+            checkpoint.load_shards(model, weights[0], shards)
         return compiled(model, trainer)
     return distributed.wrap(compiled(model, trainer), cfg, process, trainer)
 

@@ -305,6 +305,26 @@ def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
+def test_fsdp_resumes_an_optimizer_without_state_for_unused_parameters(tmp_path, tiny_data):
+    """A head that gets no gradient has no Adam state in a plain checkpoint; FSDP resumes it as
+    one process does (its moments start when it gets a gradient)."""
+    common = [
+        f"data.root={tiny_data}",
+        *RUN,
+        "optimizer=adam",
+        "model._target_=user_models.UnusedBranch",
+    ]
+    env = offline_env(PYTHONPATH=str(Path(__file__).parent))
+    first = tmp_path / "first"
+    ok(train([*common, "trainer.epochs=1", f"hydra.run.dir={first}"], tmp_path, env=env))
+    assert len(last(first)["optimizer"]["state"]) == 4  # of 6 parameters
+    resume = f"resume={first / 'checkpoints' / 'last.pt'}"
+    overrides = [*common, "parallel=fsdp", "trainer.epochs=2", resume]
+    ok(train([*overrides, f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, nproc=2, env=env))
+    assert last(tmp_path / "fsdp")["step"] == 2 * last(first)["step"]
+
+
+@pytest.mark.slow
 def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
     """checkpoint.sharded=true under fsdp: each rank writes its shards, last.pt names their
     folder; 3 processes resume from the shards of 2 (torch.distributed.checkpoint reshards) and
@@ -324,6 +344,15 @@ def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
     refused = train([*common, "trainer.epochs=2", f"hydra.run.dir={parts}"], tmp_path)
     assert refused.returncode == 1
     assert "holds its weights in shards (checkpoint.sharded=true)" in printed(refused)
+
+    moved = tmp_path / "moved" / "last.pt"  # the file without the folder it names
+    moved.parent.mkdir()
+    moved.write_bytes((parts / "checkpoints" / "last.pt").read_bytes())
+    elsewhere = [*common, "parallel=fsdp", f"hydra.run.dir={tmp_path / 'elsewhere'}"]
+    missing = train([*elsewhere, f"resume={moved}"], tmp_path, nproc=2)
+    assert missing.returncode == 1 and "which is missing or incomplete" in printed(missing)
+    wider = train([*sharded, "trainer.epochs=2", "model.hidden=32"], tmp_path, nproc=2)
+    assert wider.returncode == 1 and "another architecture than MLP" in printed(wider)
 
     result = ok(train([*sharded, "trainer.epochs=2"], tmp_path, nproc=3))
     assert "Resuming at epoch 2, after 0 of its batches" in printed(result)

@@ -64,10 +64,11 @@ MODES = {
     "fsdp2-self-launched": (["parallel=fsdp", "parallel.nproc_per_node=2"], None),
     "fsdp2-accumulate2": (["parallel=fsdp", "trainer.accumulate_grad_batches=2"], 2),
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
+    "fsdp2-kept-gathered": (["parallel=fsdp", "parallel.reshard_after_forward=false"], 2),
 }
 # Four self-launched processes on 2 cores is the slowest case, and ddp4 under torchrun shows the
 # same sums: it runs with the slow tests, as do FSDP's second examples.
-SLOW = ("ddp4-self-launched", "fsdp4", "fsdp2-root-only")
+SLOW = ("ddp4-self-launched", "fsdp4", "fsdp2-root-only", "fsdp2-kept-gathered")
 COMPARED = [
     pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODES if m != "none"
 ]

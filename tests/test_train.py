@@ -275,6 +275,32 @@ def test_mixed_precision_trains(tmp_path, tiny_data, precision, model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "model"), [("bf16", "mlp"), ("16", "mlp"), ("bf16", "cnn_bn")]
+)
+def test_fsdp_mixed_precision_trains_what_ddp_trains(tmp_path, tiny_data, precision, model):
+    """FSDP's MixedPrecisionPolicy (float32 shards, forward and backward in the low precision,
+    BatchNorm in float32) against DDP's autocast, 2 processes each: the same losses within that
+    precision's rounding (debug=equivalence's 1e-2), float32 weights saved, and float16's
+    sharded scaler saved. The BatchNorm CNN's training on the tiny data is so unstable that
+    bf16's rounding alone moves later losses by 10% (one process: 1.87 against float32's 2.16),
+    so its comparison is of the first step's, from the same weights."""
+    overrides = [f"data.root={tiny_data}", *SMOKE, "optimizer=adam", f"model={model}"]
+    overrides.append(f"trainer.precision={precision}")
+    for mode in ("ddp", "fsdp"):
+        ok(train([*overrides, f"parallel={mode}"], tmp_path / mode, nproc=2))
+    (steps, _), (reference, _) = (read_metrics(single_run(tmp_path / m)) for m in ("fsdp", "ddp"))
+    assert len(steps) == len(reference) > 1
+    compared = zip(steps, reference, strict=True)
+    for ours, ref in list(compared)[: 1 if model == "cnn_bn" else None]:
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-2), (ours, ref)
+    assert all(math.isfinite(m["train/loss"]) for m in steps)
+    saved = torch.load(single_run(tmp_path / "fsdp") / "checkpoints" / "last.pt")
+    assert {t.dtype for t in saved["model"].values()} <= {torch.float32, torch.int64}
+    assert bool(saved["scaler"]) == (precision == "16")
+
+
+@pytest.mark.slow
 def test_channels_last_cnn_trains_like_the_default_layout(tmp_path, tiny_data):
     """Without dropout (whose masks follow the memory layout), only float noise differs."""
     overrides = [
