@@ -20,6 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 README = (REPO / "README.md").read_text()
+# Where commands are shown: the README, and the pages its depth moved to.
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench/README.md"]
 # The training files hold 250 images: 50 held out for validation (data.val_size, as train() sets
 # it) and 200 to train on, 3 global batches of 64 and a partial one of 8.
 TRAIN_SIZE, VAL_SIZE, TEST_SIZE = 200, 50, 100
@@ -193,9 +195,11 @@ def compose_config(*overrides: str):
 
 
 def readme_commands() -> list[str]:
-    """Each command in the README's bash blocks, comments dropped, `a && b` split in two."""
+    """Each command in the bash blocks of the README and of the pages it links (docs/*.md,
+    bench/README.md), comments dropped, `a && b` split in two."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    text = "\n".join(path.read_text() for path in DOCUMENTS)
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.splitlines():
             line = line.split(" #")[0].strip()
             commands += [part.strip() for part in line.split("&&") if part.strip()]
