@@ -210,13 +210,19 @@ class Checkpointer:
             remove_unnamed_shards(path.parent)
 
 
+def shards_named(path: Path) -> str | None:
+    """The shards folder the checkpoint at `path` names (checkpoint.sharded=true), if any; None
+    also for a file that cannot be read, which is reported when it is loaded."""
+    try:
+        state = _read(path)
+    except UserError:
+        return None
+    return state.get(SHARDS) if isinstance(state, dict) else None
+
+
 def remove_unnamed_shards(folder: Path) -> None:
     """Remove the shard folders that neither last.pt nor best.pt names any more."""
-    named = {
-        torch.load(f, map_location="cpu", weights_only=True).get(SHARDS)
-        for f in (folder / "last.pt", folder / "best.pt")
-        if f.is_file()
-    }
+    named = {shards_named(f) for f in (folder / "last.pt", folder / "best.pt") if f.is_file()}
     for shards in folder.glob("shards-*"):
         if shards.name not in named:
             shutil.rmtree(shards, ignore_errors=True)
@@ -338,11 +344,7 @@ def save_shards(path: Path, process: Process, parts: Parts) -> tuple[Path, stora
 def _copy(source: Path, target: Path) -> None:
     """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        shards = _read(source).get(SHARDS)
-    except UserError:  # reported when best.pt is loaded
-        shards = None
-    if shards:
+    if shards := shards_named(source):
         shutil.copytree(source.parent / shards, target.parent / shards, dirs_exist_ok=True)
     storage.copy_atomically(source, target)
 
@@ -551,10 +553,11 @@ def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int,
     problems += [f"{key} not in the model" for key in saved if key not in expected]
     if problems:
         shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
-        name = type(model).__name__.removeprefix("FSDP") if fsdp.is_sharded(model) else None
+        name = type(model).__name__
+        if fsdp.is_sharded(model):  # FSDP made its class FSDP<name>
+            name = name.removeprefix("FSDP")
         raise UserError(
-            f"{path} holds weights of another architecture than "
-            f"{name or type(model).__name__} ({shown}). "
+            f"{path} holds weights of another architecture than {name} ({shown}). "
             "Choose the model= (and its sizes) it was saved with."
         )
 

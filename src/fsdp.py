@@ -106,17 +106,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     state = get_optimizer_state_dict(model, optimizer, options=FULL)
     if not state:
         return state
-    numbers: dict[str, int] = {}
-    for group in state["param_groups"]:
-        for name in group["params"]:
-            numbers[name] = len(numbers)
-    return {
-        "state": {numbers[name]: value for name, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [numbers[name] for name in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    return _rekeyed(state, {name: number for number, name in enumerate(names)})
 
 
 def load_optimizer_state(
@@ -129,16 +120,22 @@ def load_optimizer_state(
         return
     names = {id(p): name for name, p in model.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    state = {
-        "state": {ordered[number]: value for number, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [ordered[number] for number in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
+    state = _rekeyed(state, ordered)
     # Not strict: parameters that never had a gradient have no state, as in a plain optimizer.
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
+    """The optimizer state dict `state` with each parameter's key `k` replaced by `key[k]`
+    (numbers for names, or names for numbers)."""
+    return {
+        "state": {key[k]: value for k, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [key[k] for k in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
