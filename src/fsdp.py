@@ -6,6 +6,9 @@ full weights are gathered for its forward and backward only. Checkpoints stay pl
 `torch.distributed.checkpoint.state_dict`, written by rank 0), so they load into every mode.
 `checkpoint.sharded=true` instead writes `torch.distributed.checkpoint`'s sharded format, each
 rank its own part, for models too large to gather on one rank.
+
+`torch.distributed.checkpoint` is imported inside the functions that use it: it takes about a
+quarter of a second to import, which every run of every mode would otherwise pay at start.
 """
 
 from __future__ import annotations
@@ -15,27 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from src.errors import UserError
-
-# Gathered whole onto rank 0's CPU only (the other ranks get {}): no rank holds two copies on its
-# device, and only rank 0 writes the file.
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def shard(
@@ -86,14 +74,22 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded `state_dict`, on rank 0's CPU ({} on the other ranks; every rank
-    calls it)."""
-    return get_model_state_dict(model, options=FULL)
+    calls it). Gathered onto rank 0's CPU only: no rank holds two copies on its device, and only
+    rank 0 writes the file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], is_main: bool) -> None:
     """Load a full `state_dict` that rank 0 holds into the sharded `model`: each rank receives
     its shards from rank 0 (every rank calls it)."""
-    set_model_state_dict(model, dict(state_dict) if is_main else {}, options=FROM_RANK_0)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(state_dict) if is_main else {}, options=options)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -103,7 +99,10 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     PyTorch gathers it keyed by parameter names; a plain optimizer numbers its parameters in
     order through its parameter groups, which is what is saved, so that it loads anywhere.
     """
-    state = get_optimizer_state_dict(model, optimizer, options=FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # as model_state
+    state = get_optimizer_state_dict(model, optimizer, options=options)
     if not state:
         return state
     names = [name for group in state["param_groups"] for name in group["params"]]
@@ -115,6 +114,8 @@ def load_optimizer_state(
 ) -> None:
     """Load a full, plain `optimizer.state_dict()` (numbered parameters) into the optimizer of
     the sharded `model`; every rank holds `state` and keeps its own shards of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings only
         optimizer.load_state_dict(state)
         return
@@ -142,13 +143,19 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     """Write the model's and the optimizer's shards into the existing `folder`, each rank its own
     file, in `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage
     refused on any rank is raised as that OSError, on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
     }
     try:
         dcp.save(state, checkpoint_id=folder)
-    except CheckpointException as err:
+    except dcp.api.CheckpointException as err:
         refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
         if refused:
             raise refused[0] from None
@@ -157,6 +164,8 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
 
 def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """The model's tensors that the shards in `folder` hold, by name, and their whole shapes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     saved = FileSystemReader(folder).read_metadata().state_dict_metadata
     return {
         name.removeprefix("model."): tuple(meta.size)
@@ -170,6 +179,14 @@ def load_sharded(
 ) -> None:
     """Load the model's shards from `folder` (or, given the `optimizer`, its shards only), saved
     by `save_sharded` with any number of ranks: each rank reads the parts of its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=folder)
