@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, offline_env, readme_commands
+from conftest import REPO, defaults_for_tests, offline_env, readme_commands
 
 
 def benchmark(options: list[str], tmp_path, data, timeout: float = 600) -> list[dict]:
@@ -81,3 +81,26 @@ def test_memory_report_shows_fsdp_sharding_the_training_state(tmp_path, tiny_dat
     assert 0.5 <= float(rows["fsdp", "2"]["state_mb"]) / whole < 0.51
     assert all(float(r["peak_mb"]) > 0 for r in rows.values())
     assert "| fsdp | 2 |" in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_startup_report_times_the_three_commands(tmp_path, tiny_data):
+    """bench/README.md's bench/startup.py, one round on the tiny data: each command timed, and
+    debug=fast's time split between torch's imports and the template's own start-up. The figures
+    themselves are not checked."""
+    (command,) = [c for c in readme_commands() if c.startswith("python bench/startup.py")]
+    command = [sys.executable, *command.split()[1:], "--repeats=1", f"--root={tiny_data}",
+               f"--out={tmp_path}", *defaults_for_tests([])]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["command"] for r in rows] == [
+        "python -c 'import torch'",
+        "the same, and one optimizer built",
+        "python train.py debug=fast",
+    ]
+    assert all(float(r["fastest_s"]) > 0 and float(r["cpu_median_s"]) > 0 for r in rows)
+    assert "the template's own start-up and run" in (out / "table.md").read_text()

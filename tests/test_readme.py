@@ -1,8 +1,8 @@
 """Every training command the README shows runs as written, on tiny data for a few steps.
 
 The set-up commands (pip, apt-get), `pytest` itself and writing Fashion-MNIST as an image folder
-are run by .ci/run, the benchmarks by tests/test_bench.py (bench/memory.py too) and
-tests/test_scaling.py.
+are run by .ci/run, the benchmarks by tests/test_bench.py (bench/memory.py and bench/startup.py
+too) and tests/test_scaling.py.
 """
 
 import re
@@ -29,7 +29,7 @@ SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_
                  "torch.distributed.launch", "debug=equivalence model=cnn")  # fmt: skip
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py",
           "python bench/write_image_folder.py", "python bench/scaling.py",
-          "python bench/memory.py")  # fmt: skip
+          "python bench/memory.py", "python bench/startup.py")  # fmt: skip
 
 
 @pytest.mark.unit
