@@ -72,15 +72,20 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _gathered_on_rank_0() -> Any:
+    """The state dict options that gather a whole state onto rank 0's CPU only (the other ranks
+    get {}): no rank holds two copies on its device, and only rank 0 writes the file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded `state_dict`, on rank 0's CPU ({} on the other ranks; every rank
-    calls it). Gathered onto rank 0's CPU only: no rank holds two copies on its device, and only
-    rank 0 writes the file."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    return get_model_state_dict(model, options=_gathered_on_rank_0())
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], is_main: bool) -> None:
@@ -99,10 +104,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     PyTorch gathers it keyed by parameter names; a plain optimizer numbers its parameters in
     order through its parameter groups, which is what is saved, so that it loads anywhere.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # as model_state
-    state = get_optimizer_state_dict(model, optimizer, options=options)
+    state = get_optimizer_state_dict(model, optimizer, options=_gathered_on_rank_0())
     if not state:
         return state
     names = [name for group in state["param_groups"] for name in group["params"]]
