@@ -4,7 +4,7 @@
 tests them, and then writes the lock from that environment, so the file names the exact versions
 of the last green run. Users who want exactly that set install with it as constraints:
 
-    pip install -r requirements.txt -c requirements-lock.txt
+    pip install -r requirements-dev.txt -c requirements-lock.txt
 
     python .ci/lock.py                  # write requirements-lock.txt from this environment
     python .ci/lock.py --out FILE       # write FILE instead
@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIREMENTS = ("requirements.txt", "requirements-slurm.txt", "requirements-optuna.txt")
+REQUIREMENTS = ("requirements-dev.txt",)  # the whole tested set: it names the others
 LOCK = ROOT / "requirements-lock.txt"
 
 
@@ -68,7 +68,7 @@ def installed_closure(requirements: list[Requirement]) -> dict[str, str]:
 def lock_text(pinned: dict[str, str]) -> str:
     header = (
         "# The exact set of the last green CI run (.ci/run), written by .ci/lock.py: do not edit.\n"
-        "# For exactly this set: pip install -r requirements.txt -c requirements-lock.txt\n"
+        "# For exactly this set: pip install -r requirements-dev.txt -c requirements-lock.txt\n"
         f"# Python {platform.python_version()} on {platform.system()} {platform.machine()}\n"
     )
     return header + "".join(f"{name}=={version}\n" for name, version in pinned.items())
