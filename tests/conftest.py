@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import logging
 import math
 import os
 import re
+import runpy
 import struct
 import subprocess
 import sys
 import time
+import traceback
+import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,24 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "
 # The training files hold 250 images: 50 held out for validation (data.val_size, as train() sets
 # it) and 200 to train on, 3 global batches of 64 and a partial one of 8.
 TRAIN_SIZE, VAL_SIZE, TEST_SIZE = 200, 50, 100
+
+# What float32 rounding moves when the sums of a run are taken in another order (other ranks,
+# micro-batches), for tests/test_equivalence.py's recipe (27 steps of the MLP) and the others':
+# - A training loss, by an absolute amount: the mean of a batch's per-sample losses rounds in its
+#   last bits, and a loss near zero is still computed from logits of size ~10 (logsumexp(z) - z_y),
+#   whose rounding does not shrink with the loss. So the bound is 4 float32 ulps at the first
+#   loss, ln(10) = 2.3 (an ulp there is 2.4e-7): 1e-6, never relative to a loss that falls to 1e-7
+#   here (a relative bound failed on another CPU at step 9: 0.0013373408 against 0.0013373558,
+#   1.5e-8 apart). Measured on this project's AMD EPYC over these 27 steps: at most 3.2e-7, at the
+#   first three steps (1 to 2 ulps); a real difference there (a skipped sample, an unscaled
+#   partial batch) moves the loss by 1e-2 or more. After step 9 the losses are below 1e-3 and
+#   carry little; the weights and the evaluation counts carry the comparison.
+# - The weights: within 7.5e-8 measured (2.7e-7 of the largest weight); bound 1e-6.
+# - The validation and test losses, sums over their split: measured equal here, 2.4e-9 apart with
+#   3 processes elsewhere; bound 1e-7. The counts of correct predictions must agree exactly.
+LOSS_ATOL = 1e-6
+WEIGHT_ATOL = 1e-6
+EVAL_LOSS_ATOL = 1e-7
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
@@ -76,6 +101,8 @@ def run(
     command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess:
     """Run a command line to its end and return what it printed (stdout and stderr)."""
+    if runs_here(command, cwd):
+        return run_train_py_here(command, cwd=cwd, env=env or offline_env())
     return subprocess.run(
         command, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -107,6 +134,72 @@ def train(
     ]
     tmp_path.mkdir(parents=True, exist_ok=True)
     return run(command, cwd=tmp_path, env=env)
+
+
+# What makes `python train.py` start processes of its own or more than one run: it stays a real
+# subprocess (the launcher, the sweep and debug=equivalence's processes are what such tests test).
+_NOT_HERE = re.compile(
+    r"-m|--multirun|parallel=(ddp|fsdp)|parallel\.nproc_per_node=.*|hydra/.*|debug=equivalence"
+)
+
+
+def runs_here(command: list[str], cwd: Path) -> bool:
+    """Whether `command` is `python train.py ...` that one process runs alone: no launcher, no
+    sweep. Such a command runs in the test's own process (run_train_py_here), unless
+    TESTS_IN_SUBPROCESSES=1 asks for every run as a process of its own."""
+    return (
+        len(command) > 1
+        and command[0] == sys.executable
+        and (Path(cwd) / command[1]).resolve() == REPO / "train.py"
+        and os.environ.get("TESTS_IN_SUBPROCESSES") != "1"
+        and not any(_NOT_HERE.fullmatch(arg) for arg in command[2:])
+    )
+
+
+def run_train_py_here(
+    command: list[str], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in this process: train.py's own `__main__` block, with the command's
+    environment, working folder and arguments, its output captured and its exit status kept.
+
+    The same code runs as from the command line (Hydra's real parsing, run folder, logging and
+    error reports); what it saves is the start of a process, about 4 s here (torch, torch._dynamo
+    and Hydra imported), paid once per test worker instead of once per run."""
+    saved_env, saved_argv, saved_cwd, saved_path = dict(os.environ), sys.argv, os.getcwd(), sys.path
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [str(REPO / "train.py"), *command[2:]]
+    # What a new interpreter would import from: the script's folder, then PYTHONPATH.
+    pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path = [str(REPO), *pythonpath, *sys.path]
+    try:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),  # shown as a new process shows them, not kept by pytest
+        ):
+            warnings.simplefilter("default")
+            try:
+                runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+            except SystemExit as exit:  # as the interpreter turns it into an exit status
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+                if isinstance(exit.code, str):
+                    print(exit.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001 (what Hydra did not catch: a traceback, exit 1)
+                traceback.print_exc()
+                code = 1
+    finally:
+        for handler in logging.getLogger().handlers[:]:  # Hydra's, on this run's streams
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        urllib.request.install_opener(None)  # built at its first use, with that moment's proxies
+        os.chdir(saved_cwd)
+        sys.argv, sys.path = saved_argv, saved_path
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 
 def defaults_for_tests(overrides: list[str]) -> list[str]:
@@ -290,13 +383,58 @@ def metric_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Two tests at a time, unless `-n` says otherwise: two keep a 2-core machine busy. Without
+    pytest-xdist (or with `-p no:xdist`) the tests run one at a time."""
+    worker = hasattr(config, "workerinput")  # a worker of xdist's: its own tests, one at a time
+    if (
+        config.pluginmanager.hasplugin("xdist")
+        and not worker
+        and config.option.numprocesses is None
+    ):
+        config.option.numprocesses = 2
+        if config.option.dist == "no":
+            config.option.dist = "worksteal"  # tests of uneven lengths: an idle worker takes more
+
+
+# The optional extras (requirements-*.txt), each by a module it installs. A test that needs one
+# is marked `extra(NAME)` and skipped, naming the install command, where it is missing; .ci/run
+# sets TESTS_NEED_EXTRAS=1, under which a missing extra fails the test instead.
+EXTRAS = {
+    "optuna": ("hydra_plugins.hydra_optuna_sweeper", "requirements-optuna.txt"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "requirements-slurm.txt"),
+}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    import importlib.util
+
+    for marker in item.iter_markers("extra"):
+        (name,) = marker.args
+        module, requirements = EXTRAS[name]
+        if importlib.util.find_spec(module) is None:
+            skip_for_extra(f"needs the {name} extra ({module}): pip install -r {requirements}")
+
+
+def skip_for_extra(reason: str) -> None:
+    """Skip the test for a missing optional package; fail it where TESTS_NEED_EXTRAS is set."""
+    if os.environ.get("TESTS_NEED_EXTRAS"):
+        pytest.fail(f"{reason} (TESTS_NEED_EXTRAS is set: no test may skip for a missing extra)")
+    pytest.skip(reason)
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request, monkeypatch):
     """A test marked `unit` that starts a process fails: the tier stays in-process and fast."""
     if request.node.get_closest_marker("unit"):
+        start = subprocess.Popen.__init__
 
-        def refuse(*args: Any, **kwargs: Any) -> None:
-            raise AssertionError(f"a unit test started a process: {args[:1]}")
+        def refuse(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+            # matplotlib asks fontconfig for the fonts once, when it builds its font cache.
+            if isinstance(args, list) and args[:1] == ["fc-list"]:
+                return start(self, args, *rest, **kwargs)
+            raise AssertionError(f"a unit test started a process: {args!r}")
 
         monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 

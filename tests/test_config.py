@@ -235,7 +235,7 @@ def test_values_training_cannot_use_are_refused(override, message):
         "parallel=fsdp checkpoint.sharded=true",
         "parallel=fsdp trainer.precision=16 trainer.compile=true trainer.accumulate_grad_batches=2",
         "experiment=examples_mnist",
-        "hparams_search=optuna",
+        pytest.param("hparams_search=optuna", marks=pytest.mark.extra("optuna")),
     ],
 )
 def test_the_combinations_the_template_uses_pass(overrides):
@@ -330,6 +330,7 @@ def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
         pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.extra("optuna")
 def test_optuna_search_maximises_validation_accuracy(tmp_path, tiny_data, parallel):
     """A 2-trial TPE search (requirements-optuna.txt); under parallel=ddp, DDP groups. Each trial's
     value is its best val/acc, never a test accuracy."""

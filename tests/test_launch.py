@@ -254,6 +254,7 @@ def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, 
 
 
 @pytest.mark.unit
+@pytest.mark.extra("slurm")
 def test_slurm_launcher_config_composes():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(
@@ -269,6 +270,7 @@ def test_slurm_launcher_config_composes():
 
 
 @pytest.mark.slow
+@pytest.mark.extra("slurm")
 def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
     """The SLURM launcher's machinery without SLURM: submitit's local executor runs each job
     (a pickled Hydra job in a new process), which starts its own 2 DDP processes."""
