@@ -75,7 +75,14 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
 SEQUENCE = [c for c in readme_commands() if "my-run" in c]
 MACHINES = [c for c in readme_commands() if "$HEAD_NODE" in c]  # one command per machine
 SLURM = [c for c in readme_commands() if "hydra/launcher=slurm" in c]  # needs a SLURM cluster
-SPECIAL = SEQUENCE + MACHINES + SLURM
+# tests/test_debug_equivalence.py runs this one as written and reads its table.
+EQUIVALENCE = ["python train.py debug=equivalence"]
+SPECIAL = SEQUENCE + MACHINES + SLURM + EQUIVALENCE
+
+
+def marks(command: str) -> list[pytest.MarkDecorator]:
+    slow = [pytest.mark.slow] if any(s in command for s in SLOW_COMMANDS) else []
+    return slow + [pytest.mark.extra("optuna")] * ("hparams_search=optuna" in command)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +90,7 @@ SPECIAL = SEQUENCE + MACHINES + SLURM
     [
         # Self-launched DDP, 4 processes, the legacy launcher, searches and compiling are slow
         # here; other tests cover them too.
-        pytest.param(c, marks=pytest.mark.slow) if any(s in c for s in SLOW_COMMANDS) else c
+        pytest.param(c, marks=marks(c))
         for c in readme_commands()
         if c.startswith(RUNS) and c not in SPECIAL
     ],
@@ -125,6 +132,7 @@ def test_readme_multi_machine_command_runs_as_two_agents_here(tmp_path, tiny_dat
 
 
 @pytest.mark.unit
+@pytest.mark.extra("slurm")
 def test_readme_slurm_command_composes():
     """Without a SLURM cluster, the SLURM command is composed (the sweep values picked)."""
     (command,) = SLURM
