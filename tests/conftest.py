@@ -163,7 +163,7 @@ def run_train_py_here(
     environment, working folder and arguments, its output captured and its exit status kept.
 
     The same code runs as from the command line (Hydra's real parsing, run folder, logging and
-    error reports); what it saves is the start of a process, about 4 s here (torch, torch._dynamo
+    error reports); what it saves is the start of a process, about 6 s here (torch, torch._dynamo
     and Hydra imported), paid once per test worker instead of once per run."""
     saved_env, saved_argv, saved_cwd, saved_path = dict(os.environ), sys.argv, os.getcwd(), sys.path
     out, err, code = io.StringIO(), io.StringIO(), 0

@@ -12,6 +12,7 @@ lock = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lock)
 
 REQUIREMENTS = [r for name in lock.REQUIREMENTS for r in lock.read_requirements(REPO / name)]
+REQUIREMENTS_TXT = lock.read_requirements(REPO / "requirements.txt")
 
 
 @pytest.mark.unit
@@ -42,3 +43,27 @@ def test_the_lock_is_what_this_environment_holds_for_the_requirements(tmp_path):
     out = tmp_path / "lock.txt"
     out.write_text(lock.lock_text(pinned))
     assert lock.read_lock(out) == pinned
+
+
+@pytest.mark.unit
+def test_a_missing_extra_skips_with_its_install_command_and_fails_where_ci_asks(monkeypatch):
+    from conftest import EXTRAS
+
+    reason = "needs the optuna extra (x): pip install -r requirements-optuna.txt"
+    monkeypatch.delenv("TESTS_NEED_EXTRAS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="pip install -r requirements-optuna.txt"):
+        skip_for_extra(reason)
+    monkeypatch.setenv("TESTS_NEED_EXTRAS", "1")
+    with pytest.raises(pytest.fail.Exception, match="no test may skip for a missing extra"):
+        skip_for_extra(reason)
+    # Each extra's module is what its own requirements install: where they are installed, the
+    # marker finds it (a wrong name would skip a test that could run).
+    for name, (module, requirements) in EXTRAS.items():
+        own = [r for r in lock.read_requirements(REPO / requirements) if r not in REQUIREMENTS_TXT]
+        assert own, name
+        try:
+            for requirement in own:
+                metadata.distribution(requirement.name)
+        except metadata.PackageNotFoundError:
+            continue
+        assert importlib.util.find_spec(module), (name, module)
