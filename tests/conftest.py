@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import importlib.util
 import io
 import json
 import logging
@@ -408,8 +409,6 @@ EXTRAS = {
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    import importlib.util
-
     for marker in item.iter_markers("extra"):
         (name,) = marker.args
         module, requirements = EXTRAS[name]

@@ -140,7 +140,7 @@ def test_every_mode_trains_the_same_run(runs, mode):
 def test_ddp_prints_from_rank_0_and_writes_only_its_run_folder(runs):
     """torchrun with 2 ranks: rank 0's output only (rank 1 had nothing to warn about), and
     nothing written beside the one run folder."""
-    runs["ddp2"]
+    runs["ddp2"]  # trained here, if no test has asked for it yet
     result, folder = runs.launched["ddp2"]
     assert "DDP: 2 processes, backend gloo" in result.stdout
     assert "[rank 1]" not in result.stdout + result.stderr

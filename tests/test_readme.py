@@ -81,8 +81,13 @@ SPECIAL = SEQUENCE + MACHINES + SLURM + EQUIVALENCE
 
 
 def marks(command: str) -> list[pytest.MarkDecorator]:
-    slow = [pytest.mark.slow] if any(s in command for s in SLOW_COMMANDS) else []
-    return slow + [pytest.mark.extra("optuna")] * ("hparams_search=optuna" in command)
+    """slow for the commands SLOW_COMMANDS names; the Optuna extra for its search."""
+    found = []
+    if any(s in command for s in SLOW_COMMANDS):
+        found.append(pytest.mark.slow)
+    if "hparams_search=optuna" in command:
+        found.append(pytest.mark.extra("optuna"))
+    return found
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import importlib.util
 from importlib import metadata
 
 import pytest
-from conftest import REPO, skip_for_extra
+from conftest import EXTRAS, REPO, skip_for_extra
 from packaging.utils import canonicalize_name
 
 spec = importlib.util.spec_from_file_location("lock", REPO / ".ci" / "lock.py")
@@ -13,6 +13,14 @@ spec.loader.exec_module(lock)
 
 REQUIREMENTS = [r for name in lock.REQUIREMENTS for r in lock.read_requirements(REPO / name)]
 REQUIREMENTS_TXT = lock.read_requirements(REPO / "requirements.txt")
+
+
+def installed(requirement) -> bool:
+    try:
+        metadata.distribution(requirement.name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @pytest.mark.unit
@@ -29,12 +37,7 @@ def test_the_lock_pins_every_requirement_to_a_version_it_allows():
 @pytest.mark.unit
 def test_the_lock_is_what_this_environment_holds_for_the_requirements(tmp_path):
     """Written from the installed packages' metadata: the requirements and all they need."""
-    missing = []
-    for requirement in REQUIREMENTS:
-        try:
-            metadata.distribution(requirement.name)
-        except metadata.PackageNotFoundError:
-            missing.append(requirement.name)
+    missing = [requirement.name for requirement in REQUIREMENTS if not installed(requirement)]
     if missing:
         skip_for_extra(f"needs {', '.join(missing)}: pip install -r requirements-dev.txt")
     pinned = lock.installed_closure(REQUIREMENTS)
@@ -47,8 +50,6 @@ def test_the_lock_is_what_this_environment_holds_for_the_requirements(tmp_path):
 
 @pytest.mark.unit
 def test_a_missing_extra_skips_with_its_install_command_and_fails_where_ci_asks(monkeypatch):
-    from conftest import EXTRAS
-
     reason = "needs the optuna extra (x): pip install -r requirements-optuna.txt"
     monkeypatch.delenv("TESTS_NEED_EXTRAS", raising=False)
     with pytest.raises(pytest.skip.Exception, match="pip install -r requirements-optuna.txt"):
@@ -61,9 +62,5 @@ def test_a_missing_extra_skips_with_its_install_command_and_fails_where_ci_asks(
     for name, (module, requirements) in EXTRAS.items():
         own = [r for r in lock.read_requirements(REPO / requirements) if r not in REQUIREMENTS_TXT]
         assert own, name
-        try:
-            for requirement in own:
-                metadata.distribution(requirement.name)
-        except metadata.PackageNotFoundError:
-            continue
-        assert importlib.util.find_spec(module), (name, module)
+        if all(map(installed, own)):
+            assert importlib.util.find_spec(module), (name, module)
