@@ -1,11 +1,18 @@
 """The data in memory, batched for this process: the same way for every dataset.
 
-`src/datasets.py` finds the files and reads each split as a Dataset of (uint8 image, label);
-this module holds the three splits and cuts them into batches. `train` and `val` (`data.val_size`
-images held out of the training split by a draw that depends on `data.split_seed` alone), and
-`test`, evaluated once at the end.
+`src/datasets.py` (or a class of your own) finds the files and reads each split as a Dataset of
+(input, target) pairs; this module holds the three splits and cuts them into batches. `train`
+and `val` (`data.val_size` samples held out of the training split by a draw that depends on
+`data.split_seed` alone), and `test`, evaluated once at the end.
 
-`loader=tensor` (the default): each split lives once as a uint8 tensor on the training device,
+Inputs and targets may be of any shape and dtype: float features, int64 tokens, a float image as
+a target. Each keeps its own dtype (never cast), through both loaders, the empty batches and
+`decode`. Images, the inputs that are uint8 C×H×W, also go through the image pipeline: uint8 →
+float and normalisation by `data.mean`/`data.std` (computed where null), and `data.augment`;
+any other input reaches the model as the dataset gave it (a float C×H×W input too: it is not
+divided by 255).
+
+`loader=tensor` (the default): each split lives once as tensors on the training device,
 decoded once (an image folder keeps the decoded images in a cache file beside it); a batch is
 gathered by index, augmented and normalised there, so the loop runs no per-sample Python.
 `loader=torch`: the standard `DataLoader` reading one sample at a time (with workers), for data
@@ -36,7 +43,10 @@ from src.errors import UserError
 
 log = logging.getLogger(__name__)
 
-Split = tuple[torch.Tensor, torch.Tensor] | Dataset  # (images, labels) in memory, or a Dataset
+Split = tuple[torch.Tensor, torch.Tensor] | Dataset  # (inputs, targets) in memory, or a Dataset
+
+# The target dtypes that are class labels: checked against num_classes.
+INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class GlobalBatchSampler:
@@ -92,10 +102,11 @@ class Data:
     """A dataset's three splits, batched for this process.
 
     `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
-    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th image of the
-    split, so every image is counted exactly once whatever the world size. `dataset` names the
-    class of `src/datasets.py` (or your own) that reads the files; the keys this class does not
-    take (root, download, ...) are that class's.
+    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th sample of
+    the split, so every sample is counted exactly once whatever the world size. `dataset` names
+    the class of `src/datasets.py` (or your own) that reads the files; the keys this class does
+    not take (root, download, ...) are that class's, and each of its own keys (image_size,
+    num_classes, seed, ...) reaches that class too where its constructor has one of that name.
     """
 
     def __init__(
@@ -120,12 +131,14 @@ class Data:
         persistent_workers: bool = False,
         **options,
     ):
+        # Data's own keys, before any other name is defined: a dataset class may need some of
+        # them (image_size to resize, num_classes and seed to draw synthetic samples).
+        own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
         source = get_class(dataset)
-        takes = inspect.signature(source).parameters
-        shape = {"image_size": image_size, "in_channels": in_channels}  # for those that use them
-        self.source = source(**{k: v for k, v in shape.items() if k in takes}, **options)
+        self.takes = set(inspect.signature(source).parameters)
+        self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
         self.loader = loader
         self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
                         "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
@@ -169,25 +182,30 @@ class Data:
         self.sampler = GlobalBatchSampler(
             self.size("train"), self.batch_size, process.rank, process.world_size, self.seed
         )
-        self.normalise = self._normalisation()
+        self.normalise = self._normalisation() if self.is_image else unchanged
         self.augmentation = Augment(
             max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
         ) if self.augment else None  # fmt: skip
         if self.loader == "torch":
             self._data_loaders()
+        if self.is_image:
+            what = f"images of {'×'.join(map(str, self.shape))}"
+        else:
+            what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets "
+            what += f"{kind(self.target_dtype, self.target_shape)})"
         log.info(
-            "Data: %d training, %d validation (data.val_size) and %d test images of %s from %s",
+            "Data: %d training, %d validation (data.val_size) and %d test %s from %s",
             self.size("train"),
             self.size("val"),
             self.size("test"),
-            "×".join(map(str, self.shape)),
+            what,
             self.source,
         )
 
     def _data_loaders(self) -> None:
         """loader=torch: a DataLoader drawing the training order, and one per evaluated split
-        giving this rank every world_size-th image, as the tensor path does."""
-        collate_empty = functools.partial(collate, shape=self.shape)
+        giving this rank every world_size-th sample, as the tensor path does."""
+        collate_empty = functools.partial(collate, empty=self.empty_batch())
         self.train_loader = DataLoader(
             self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
         )
@@ -211,7 +229,7 @@ class Data:
             return dataset.tensors()
         if hasattr(self.source, "cache_path"):
             return cached(self.source, name, dataset)
-        return decode(dataset, f"{name} images of {self.source}")
+        return decode(dataset, name, self.source)
 
     def _hold(self, train: Split, test: Split) -> None:
         """The validation split carved out of `train`; tensors moved to the training device."""
@@ -239,12 +257,21 @@ class Data:
             self.test = test
 
     def _describe(self) -> None:
-        """The shape, classes and labels the data has, checked against what the config says."""
-        first = self.train[0] if isinstance(self.train, tuple) else self.train[0][0].unsqueeze(0)
-        self.shape = tuple(first.shape[1:])  # C×H×W
-        self.in_channels, self.image_size = self.shape[0], self.shape[1]
+        """The kind of samples the data has (images or not, each shape and dtype), its classes
+        and labels, checked against what the config says."""
+        if isinstance(self.train, tuple):
+            first, target = (t[0] for t in self.train)
+        else:
+            first, target = (torch.as_tensor(t) for t in self.train[0])
+        self.input_shape, self.input_dtype = tuple(first.shape), first.dtype
+        self.target_shape, self.target_dtype = tuple(target.shape), target.dtype
+        self.shape = self.input_shape
+        self.is_image = is_image(first)
+        self.in_channels, self.image_size = self.shape[:2] if self.is_image else (None, None)
+        self._refuse_image_keys()
         classes = self.source.classes
-        if self.num_classes is None:
+        labels = self.target_dtype in INTEGERS  # class labels, one per sample or per position
+        if self.num_classes is None and (classes or labels):
             self.num_classes = len(classes or ())
         elif classes and len(classes) != self.num_classes:
             raise UserError(
@@ -252,13 +279,37 @@ class Data:
                 f"classes. Set it to {len(classes)}, or to null to take the number found."
             )
         self.class_names = self.class_names or classes
-        for split in ("train", "test"):
-            labels = labels_of(getattr(self, split))
-            if labels is not None and len(labels) and labels.max() >= self.num_classes:
+        for split in ("train", "test") if labels else ():
+            found = labels_of(getattr(self, split))
+            if found is not None and found.numel() and found.max() >= self.num_classes:
                 raise UserError(
-                    f"The {split} split of {self.source} has label {labels.max().item()}, but "
-                    f"data.num_classes={self.num_classes}. Set it to {labels.max().item() + 1}."
+                    f"The {split} split of {self.source} has label {found.max().item()}, but "
+                    f"data.num_classes={self.num_classes}. Set it to {found.max().item() + 1}."
                 )
+
+    def _refuse_image_keys(self) -> None:
+        """data.mean, data.std and data.augment are the image pipeline's: for other inputs they
+        would do nothing, unless the dataset class takes them for itself."""
+        if self.is_image:
+            return
+        inputs = f"{kind(self.input_dtype, self.input_shape)} inputs"
+        unused = [
+            f"data.{key}={value}"
+            for key, value in (("mean", self.mean), ("std", self.std))
+            if value is not None and key not in self.takes
+        ]
+        if unused:
+            normalise = "normalises" if len(unused) == 1 else "normalise"
+            raise UserError(
+                f"{' and '.join(unused)} {normalise} uint8 C×H×W images only, but {self.source} "
+                f"gives {inputs}: set data.mean and data.std to null (normalise such inputs in "
+                "the dataset class or the model)."
+            )
+        if self.augment and "augment" not in self.takes:
+            raise UserError(
+                f"data.augment=true crops and flips uint8 C×H×W images only, but {self.source} "
+                f"gives {inputs}: set data.augment=false."
+            )
 
     def _normalisation(self) -> Normalise:
         """data.mean and data.std, or, where they are null, computed from the training images."""
@@ -298,20 +349,28 @@ class Data:
             for images, _ in read(loader):
                 yield images
 
+    def empty_batch(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw (inputs, targets) of no sample, with the data's sample shapes and dtypes."""
+        return (
+            torch.empty(0, *self.input_shape, dtype=self.input_dtype, device=device),
+            torch.empty(0, *self.target_shape, dtype=self.target_dtype, device=device),
+        )
+
     def size(self, split: str) -> int:
-        """The number of images of `split` (train, val or test)."""
+        """The number of samples of `split` (train, val or test)."""
         held = getattr(self, split)
         return len(held[1]) if isinstance(held, tuple) else len(held)
 
     def sample(self, split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`count` images of `split` (uint8), evenly spaced through it (an image folder lists its
-        classes one after another), and their labels, on the training device."""
+        """`count` raw samples of `split` (uint8 for images), evenly spaced through it (an image
+        folder lists its classes one after another), and their targets, on the training
+        device."""
         held = getattr(self, split)
         index = torch.linspace(0, self.size(split) - 1, min(count, self.size(split))).long()
         if isinstance(held, tuple):
             return tuple(t.index_select(0, index.to(t.device)).to(self.device) for t in held)
-        images, labels = collate([held[i] for i in index.tolist()], self.shape)
-        return images.to(self.device), labels.to(self.device)
+        inputs, targets = collate([held[i] for i in index.tolist()], self.empty_batch())
+        return inputs.to(self.device), targets.to(self.device)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -320,55 +379,68 @@ class Data:
     def train_batches(
         self, epoch: int, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's (images, labels) of each global batch, with the global batch's size.
+        """This rank's (inputs, targets) of each global batch, with the global batch's size;
+        images augmented and normalised, other inputs as the dataset gave them.
 
         `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
         """
         self.sampler.set_epoch(epoch, skip)
         num_samples = self.size("train")
-        for step, (images, labels) in enumerate(self._batches(), start=skip):
+        for step, (inputs, targets) in enumerate(self._batches(), start=skip):
             global_size = min(self.batch_size, num_samples - step * self.batch_size)
             if self.augmentation:
-                images = self.augmentation(images, epoch, step, global_size)
-            yield self.normalise(images), labels, global_size
+                inputs = self.augmentation(inputs, epoch, step, global_size)
+            yield self.normalise(inputs), targets, global_size
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.loader == "torch":
-            for images, labels in read(self.train_loader):  # pinned memory: async copies
-                yield (images.to(self.device, non_blocking=True),
-                       labels.to(self.device, non_blocking=True))  # fmt: skip
+            for inputs, targets in read(self.train_loader):  # pinned memory: async copies
+                yield (inputs.to(self.device, non_blocking=True),
+                       targets.to(self.device, non_blocking=True))  # fmt: skip
         else:
             for index in self.sampler.index_batches(self.device):  # no per-sample Python
-                # index_select: the same rows as images[index], several times faster on a CPU.
+                # index_select: the same rows as inputs[index], several times faster on a CPU.
                 yield tuple(t.index_select(0, index) for t in self.train)
 
     def eval_batches(
         self, split: str, even: bool = False
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's images of `split` (val or test): every world_size-th one, in batches of
+        """This rank's samples of `split` (val or test): every world_size-th one, in batches of
         test_batch_size. `even`: then empty batches, up to as many batches as rank 0 has."""
         yield from self._eval_batches(split)
         if even:
             mine = len(range(self.rank, self.size(split), self.world_size))
             most = len(range(0, self.size(split), self.world_size))
             batches = (math.ceil(n / self.test_batch_size) for n in (mine, most))
-            empty = torch.zeros((0, *self.shape), dtype=torch.uint8, device=self.device)
             for _ in range(*batches):
-                yield self.normalise(empty), torch.zeros(0, dtype=torch.long, device=self.device)
+                inputs, targets = self.empty_batch(self.device)
+                yield self.normalise(inputs), targets
 
     def _eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.loader == "torch":
-            for images, labels in read(self.eval_loaders[split]):
-                yield self.normalise(images.to(self.device)), labels.to(self.device)
+            for inputs, targets in read(self.eval_loaders[split]):
+                yield self.normalise(inputs.to(self.device)), targets.to(self.device)
             return
-        images, labels = getattr(self, split)
-        index = torch.arange(self.rank, len(labels), self.world_size, device=labels.device)
+        inputs, targets = getattr(self, split)
+        index = torch.arange(self.rank, len(targets), self.world_size, device=targets.device)
         for chunk in index.split(self.test_batch_size) if len(index) else ():
-            yield self.normalise(images.index_select(0, chunk)), labels.index_select(0, chunk)
+            yield self.normalise(inputs.index_select(0, chunk)), targets.index_select(0, chunk)
+
+
+def unchanged(inputs: torch.Tensor) -> torch.Tensor:
+    """The normalisation of inputs that are not images: none, they reach the model as read."""
+    return inputs
+
+
+def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """A sample's dtype and shape, for messages: `float32 20`, `int64 16`, `uint8 3×32×32`."""
+    return f"{str(dtype).removeprefix('torch.')} {'×'.join(map(str, shape)) or 'scalar'}"
 
 
 class Normalise:
-    """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
+    """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std). Only images
+    (uint8 C×H×W) are normalised: any other input, a float C×H×W one too, bypasses it, so nothing
+    already float is divided by 255 again."""
 
     def __init__(self, mean: list[float], std: list[float], device: torch.device):
         self.mean, self.std = mean, std
@@ -415,7 +487,7 @@ class Augment:
 
 
 def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split decoded into uint8 tensors, through a cache file beside the data: read when the
+    """A split decoded into tensors, through a cache file beside the data: read when the
     files have not changed since it was written, else decoded again and the cache rewritten."""
     path, fingerprint = source.cache_path(name), source.fingerprint(dataset)
     if path.is_file():
@@ -428,7 +500,7 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
             )
         except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
             log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
-    images, labels = decode(dataset, f"{name} images of {source}")
+    images, labels = decode(dataset, name, source)
     cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
     try:
         storage.write_atomically(path, lambda file: torch.save(cache, file))
@@ -437,22 +509,30 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
     return images, labels
 
 
-def decode(dataset: Dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sample of `dataset` (`what` it holds, for the log), one at a time, into one uint8
-    tensor and one of labels."""
-    log.info("Decoding the %d %s into memory", len(dataset), what)
-    first = dataset[0][0]
-    images = torch.empty(len(dataset), *first.shape, dtype=torch.uint8)
-    labels = torch.empty(len(dataset), dtype=torch.long)
+def decode(dataset: Dataset, split: str, source: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of `dataset` (the `split` split of `source`), one at a time, into one tensor
+    of inputs and one of targets, each of sample 0's shape and dtype."""
+    first = [torch.as_tensor(part) for part in dataset[0]]
+    noun = "images" if is_image(first[0]) else "samples"
+    log.info("Decoding the %d %s %s of %s into memory", len(dataset), split, noun, source)
+    inputs, targets = (torch.empty(len(dataset), *t.shape, dtype=t.dtype) for t in first)
     for i in range(len(dataset)):
-        image, labels[i] = dataset[i]
-        if image.shape != first.shape:
-            raise UserError(
-                f"Sample {i} of {dataset} is {tuple(image.shape)} and sample 0 "
-                f"{tuple(first.shape)}: the fast path needs one size (data.image_size)."
-            )
-        images[i] = image
-    return images, labels
+        sample = [torch.as_tensor(part) for part in dataset[i]]
+        for part, got, want in zip(("input", "target"), sample, first, strict=True):
+            if (got.shape, got.dtype) != (want.shape, want.dtype):
+                needs = "one size (data.image_size)" if is_image(want) else "one shape and dtype"
+                raise UserError(
+                    f"Sample {i} of the {split} split of {source} has the {part} "
+                    f"{kind(got.dtype, got.shape)} and sample 0 {kind(want.dtype, want.shape)}: "
+                    f"the fast path needs {needs}."
+                )
+        inputs[i], targets[i] = sample
+    return inputs, targets
+
+
+def is_image(input: torch.Tensor) -> bool:
+    """One sample's input is an image, for the image pipeline: uint8 C×H×W."""
+    return input.dtype == torch.uint8 and input.dim() == 3
 
 
 def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[float]]:
@@ -470,7 +550,7 @@ def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[flo
 
 
 def labels_of(split: Split) -> torch.Tensor | None:
-    """A split's labels, where they are known without reading its images."""
+    """A split's targets, where they are known without reading its inputs."""
     if isinstance(split, tuple):
         return split[1]
     if isinstance(split, Subset):
@@ -490,10 +570,11 @@ def read(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def collate(
-    samples: list[tuple[torch.Tensor, int]], shape: tuple[int, ...] | None = None
+    samples: list[tuple[object, object]], empty: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples into a batch; a rank's share of a last, small batch may be empty."""
+    """Stack samples into a batch, inputs and targets each keeping their dtype (as `decode`
+    does); a rank's share of a last, small batch may be empty: then a copy of `empty`."""
     if not samples:
-        return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
-    images, labels = zip(*samples, strict=True)
-    return torch.stack(images), torch.as_tensor(labels, dtype=torch.long)
+        return tuple(t.clone() for t in empty)
+    inputs, targets = zip(*samples, strict=True)
+    return tuple(torch.stack([torch.as_tensor(t) for t in part]) for part in (inputs, targets))

@@ -1,5 +1,7 @@
-"""Where the images come from: find (or download) a dataset's files and read each split as a
-map-style `Dataset` of (image, label) pairs, an image being a uint8 tensor C×H×W.
+"""Where the data come from: find (or download) a dataset's files and read each split as a
+map-style `Dataset` of (input, target) pairs. The classes here read images, an image being a
+uint8 tensor C×H×W and its target an int label; a class of your own may give inputs and targets
+of any shape and dtype (float features, int64 tokens), which `src/data.py` batches as they are.
 
 One class per kind of files, named by `dataset:` in its `conf/data/` file:
 
@@ -9,10 +11,13 @@ One class per kind of files, named by `dataset:` in its `conf/data/` file:
 - `ImageFolder`: your own images, one folder per class (`train/<class>/…`, `test/<class>/…`).
 
 Each has `prepare()` (find or download the files: one process per machine runs it while the
-others wait), `split(name)` (the `train` or `test` Dataset) and `classes` (the label names, or
-None, known after `split`). `src/data.py` holds the splits in memory and batches them, the same
-way for all. A class whose images must be decoded one by one may keep them decoded in a cache
-file: it then has `cache_path(split)` and `fingerprint(dataset)`, as `ImageFolder` has.
+others wait), `split(name)` (the `train` or `test` Dataset; one with `tensors()`, as `Tensors`,
+is handed over whole) and `classes` (the label names, or None, known after `split`). Its
+constructor gets the keys of its `conf/data/` file that `src/data.py` does not take, and each
+of `src/data.py`'s own (image_size, num_classes, seed, …) it has a parameter of that name for.
+`src/data.py` holds the splits in memory and batches them, the same way for all. A class
+whose samples must be decoded one by one may keep them decoded in a cache file: it then has
+`cache_path(split)` and `fingerprint(dataset)`, as `ImageFolder` has.
 """
 
 from __future__ import annotations
@@ -46,20 +51,21 @@ Fetch = Callable[[Path], object]  # downloads a dataset into the folder it is gi
 
 
 class Tensors(Dataset):
-    """A split already in memory: uint8 images N×C×H×W and their labels. `tensors()` hands it
-    over whole, so the fast path does not read it one sample at a time."""
+    """A split already in memory: inputs N×… (uint8 images N×C×H×W, float features, tokens) and
+    their targets N×…. `tensors()` hands it over whole, so the fast path does not read it one
+    sample at a time."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        self.images, self.labels = images, labels
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.targets)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.images[index], int(self.labels[index])
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.targets[index]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images, self.labels
+        return self.inputs, self.targets
 
 
 def check_shape(

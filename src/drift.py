@@ -10,7 +10,7 @@ DDP, with one collective each:
 - `check_start`: before DDP copies rank 0's weights over the others' (which would hide the
   difference), every rank's weights and buffers equal rank 0's;
 - `check_first_batch`: the ranks' shares of the first global batch are disjoint, make up that
-  batch, and hold the same labels on every rank;
+  batch, and hold the same targets on every rank (compared by a hash, whatever their shape);
 - `check_in_sync`: during training (`parallel.check_sync_every_n_steps`), the parameters still
   equal rank 0's.
 
@@ -22,6 +22,7 @@ computed where the tensor lives.
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Iterable, Sequence
 from itertools import zip_longest
 
@@ -46,6 +47,17 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     tensor, a kind of drift no step makes, keep it)."""
     real = (torch.view_as_real(t) if t.is_complex() else t for t in tensors)
     return [t.detach().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in real]
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """A hash of a tensor's dtype, shape and elements, in their order: a few bytes to gather in
+    place of a batch's targets (a label a sample, a token a position). Unlike `fingerprint`'s
+    sum, it also tells the same targets in another order, as other files may hold them."""
+    bits = tensor.detach().cpu().contiguous()
+    bits = torch.view_as_real(bits) if bits.is_complex() else bits
+    hashed = hashlib.sha256(f"{bits.dtype} {list(bits.shape)}".encode())
+    hashed.update(bits.view(BITS[bits.element_size()]).numpy().tobytes())
+    return hashed.hexdigest()
 
 
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -94,7 +106,7 @@ def check_start(model: nn.Module, process: Process) -> None:
 
 def check_first_batch(data: Data, process: Process) -> None:
     """The ranks' shares of epoch 1's first global batch are disjoint and make up that batch,
-    and every rank reads the same labels for it: no image trained twice or left out, and no
+    and every rank reads the same targets for it: no sample trained twice or left out, and no
     machine with other data files. Every rank decides on the same gathered values."""
     if not process.in_group:
         return
@@ -102,8 +114,8 @@ def check_first_batch(data: Data, process: Process) -> None:
     sampler.set_epoch(1)
     batch = sampler.permutation()[: data.batch_size]
     share = next(sampler.index_batches())
-    labels = labels_of(data.train)  # None for a dataset that reads them image by image only
-    read = [] if labels is None else labels[batch.to(labels.device)].tolist()
+    labels = labels_of(data.train)  # None for a dataset that reads them sample by sample only
+    read = None if labels is None else digest(labels[batch.to(labels.device)])
     everyone = process.all_gather_object((data.size("train"), share.tolist(), read))
     sizes = [size for size, _, _ in everyone]
     if len(set(sizes)) > 1:
