@@ -24,7 +24,6 @@ from dataclasses import field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra.errors import CompactHydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -36,7 +35,8 @@ from src.distributed import Process
 from src.errors import UserError
 from src.run import build_model, build_parts
 from src.settings import Trainer, read_settings
-from src.training import autocast, configure_kernels, evaluate, train_step
+from src.tasks import Task
+from src.training import autocast, configure_kernels, evaluate, global_count, laid_out, train_step
 
 log = logging.getLogger("equivalence")
 
@@ -79,7 +79,8 @@ def check(cfg: DictConfig) -> None:
             "debug=equivalence starts its own DDP processes: run python train.py "
             "debug=equivalence ... without torchrun."
         )
-    trainer = read_settings(cfg).trainer
+    settings = read_settings(cfg)
+    trainer, task = settings.trainer, settings.task
     steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
     if not (isinstance(steps, int) and steps >= 1):
         raise UserError(f"debug.steps={steps}: train at least 1 step in each layout.")
@@ -101,7 +102,7 @@ def check(cfg: DictConfig) -> None:
     configure_kernels(trainer)
     data = instantiate(one.data)
     data.setup(process)
-    traces = train_layouts(one, trainer, process, data)
+    traces = train_layouts(one, trainer, task, process, data)
     traces += launch.start_workers(ddp_layouts, ddp)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
     reference = traces[0]
@@ -117,8 +118,8 @@ def check(cfg: DictConfig) -> None:
             else f"parallel={mode} changes",
         )  # fmt: skip
         return
-    model, batch = probe(one, trainer, process, data)
-    causes = likely_causes(layouts, rows, differ, model, randomness(model, batch, trainer),
+    model, batch = probe(one, trainer, task, process, data)
+    causes = likely_causes(layouts, rows, differ, model, randomness(model, task, batch, trainer),
                            ddp.parallel)  # fmt: skip
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
@@ -168,42 +169,50 @@ def layout_config(cfg: DictConfig, device: str, micro: int | None, mode: str) ->
 
 def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     """One DDP process (started by `launch.start_workers`): its layouts' traces."""
-    trainer = read_settings(cfg).trainer
+    settings = read_settings(cfg)
+    trainer = settings.trainer
     configure_kernels(trainer)
     process = distributed.setup(cfg, trainer)
     try:
         data = instantiate(cfg.data)
         data.setup(process)
-        return train_layouts(cfg, trainer, process, data)
+        return train_layouts(cfg, trainer, settings.task, process, data)
     finally:
         distributed.teardown()
 
 
-def train_layouts(cfg: DictConfig, trainer: Trainer, process: Process, data: Data) -> list[Trace]:
+def train_layouts(
+    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
+) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
     weights = checkpoint.find_weights(cfg, process)  # init_from, where the config has one
     counts = [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else [])
     return [
-        train_layout(cfg, dataclasses.replace(trainer, accumulate_grad_batches=k), process, data,
-                     weights)
+        train_layout(cfg, dataclasses.replace(trainer, accumulate_grad_batches=k), task, process,
+                     data, weights)
         for k in counts
     ]  # fmt: skip
 
 
 def train_layout(
-    cfg: DictConfig, trainer: Trainer, process: Process, data: Data, weights: tuple | None
+    cfg: DictConfig,
+    trainer: Trainer,
+    task: Task,
+    process: Process,
+    data: Data,
+    weights: tuple | None,
 ) -> Trace:
     """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
     epoch), watching what makes layouts differ; evaluate the weights it ends with."""
-    model = build_model(cfg, trainer, process, weights, data)
+    model = build_model(cfg, trainer, process, weights, data, task)
     parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, None)
     model.train()
     dropout_off(model)
     trace = Trace()
     try:
         steps = itertools.islice(batches(data, parts, trainer), cfg.debug.steps)
-        for step, (images, labels, size) in enumerate(steps, start=1):
-            loss, _ = train_step(parts, images, labels, size, process, trainer)
+        for step, (inputs, targets, size) in enumerate(steps, start=1):
+            loss, _ = train_step(parts, task, inputs, targets, size, process, trainer)
             if trainer.step_interval:
                 parts.scheduler.step()
             trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
@@ -214,7 +223,7 @@ def train_layout(
         trace.failed = f"step {len(trace.losses) + 1}: {DDP_UNUSED_PARAMETERS}"
     for split in ("val", "test"):
         if data.size(split):
-            metrics = evaluate(model, data, split, process, trainer)
+            metrics = evaluate(model, task, data, split, process, trainer)
             trace.evals[split] = {**metrics, "size": data.size(split)}
     state = checkpoint.model_state(model)  # under FSDP gathered, onto rank 0
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
@@ -264,6 +273,7 @@ class Difference:
     failed: str | None  # DDP's refusal, if training stopped early
     complete: bool  # it trained every step
     drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
+    eval_losses: dict[str, float] = field(default_factory=dict)  # each split's, relative
 
     def within(self, tolerance: float) -> bool:
         worst = max(self.loss[0], self.weight[0], self.eval_loss)
@@ -285,30 +295,40 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
         ),
         default=(0.0, None),
     )
-    evals = reference.evals
-    eval_loss = max(
-        (abs(m[f"{s}/loss"] / evals[s][f"{s}/loss"] - 1) for s, m in trace.evals.items()),
-        default=0.0,
-    )
-    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"] for s, m in trace.evals.items()}
+    evals = reference.evals  # the task's loss metric, where it reports one; its correct counts
+    eval_losses = {s: abs(m[f"{s}/loss"] / evals[s][f"{s}/loss"] - 1)
+                   for s, m in trace.evals.items() if f"{s}/loss" in m}  # fmt: skip
+    eval_loss = max(eval_losses.values(), default=0.0)
+    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"]
+               for s, m in trace.evals.items() if f"{s}/correct" in m}  # fmt: skip
     complete = len(trace.losses) == steps and trace.failed is None
     drifted = trace.drifted is not None and trace.failed is None
-    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted)
+    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted,
+                      eval_losses)  # fmt: skip
 
 
 def table(rows: dict[str, Difference], reference: Trace) -> str:
-    """The layouts' differences side by side, under the reference's correct predictions."""
+    """The layouts' differences side by side, under the reference's correct predictions (a task
+    that counts none: its evaluated loss, and each layout's relative difference from it)."""
     splits = list(reference.evals)
-    header = ["layout", "loss (step)", "weights (where)"] + [f"{s} correct" for s in splits]
+    counted = {s: f"{s}/correct" in reference.evals[s] for s in splits}
+    header = ["layout", "loss (step)", "weights (where)"]
+    header += [f"{s} correct" if counted[s] else f"{s} loss" for s in splits]
     lines = [header]
     for name, row in rows.items():
+        evals = reference.evals
         if name.endswith("(reference)"):
-            counts = [f"{reference.evals[s][f'{s}/correct']}/{reference.evals[s]['size']}"
-                      for s in splits]  # fmt: skip
+            counts = [
+                f"{evals[s][f'{s}/correct']}/{evals[s]['size']}"
+                if counted[s]
+                else f"{evals[s].get(f'{s}/loss', float('nan')):.4g}"
+                for s in splits
+            ]
             lines.append([name, "-", "-", *counts])
             continue
         (loss, step), (weight, where) = row.loss, row.weight
-        counts = [f"{row.correct.get(s, 0):+d}" for s in splits]
+        counts = [f"{row.correct.get(s, 0):+d}" if counted[s]
+                  else f"{row.eval_losses.get(s, 0.0):.1e}" for s in splits]  # fmt: skip
         loss_text = f"{loss:.1e} ({step})"
         if row.failed:
             loss_text = f"failed at {row.failed.split(':')[0]}"
@@ -404,26 +424,28 @@ def is_batch_norm(module: nn.Module) -> bool:
 
 
 def probe(
-    cfg: DictConfig, trainer: Trainer, process: Process, data: Data
+    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
 ) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
-    model = build_model(cfg, trainer, process, checkpoint.find_weights(cfg, process), data)
+    weights = checkpoint.find_weights(cfg, process)
+    model = build_model(cfg, trainer, process, weights, data, task)
     model.train()
     dropout_off(model)
     return model, next(data.train_batches(1))
 
 
-def randomness(model: nn.Module, batch: tuple, trainer: Trainer) -> tuple[bool, bool]:
+def randomness(model: nn.Module, task: Task, batch: tuple, trainer: Trainer) -> tuple[bool, bool]:
     """Whether the gradients of `batch` depend on the random seed (randomness in the model), and
-    whether they are the same twice with one seed (deterministic kernels)."""
-    images, labels, _ = batch
+    whether they are the same twice with one seed (deterministic kernels); with the task's loss,
+    as training computes it."""
+    inputs, targets, _ = batch
+    count = global_count([task.count(inputs, targets)], Process(device=inputs.device))
 
     def gradients(seed: int) -> list[torch.Tensor]:
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
-        with autocast(images.device, trainer):
-            logits = model(images.contiguous(memory_format=trainer.memory_format))
-            loss = F.cross_entropy(logits, labels)
+        with autocast(inputs.device, trainer):
+            loss = task.loss(model(laid_out(inputs, trainer)), inputs, targets) / count
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

@@ -243,4 +243,17 @@ def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # the last line of a run killed while writing it
             continue
-    return [r for r in records if r.get("step", 0) <= step and "test/acc" not in r]
+    return [r for r in records if r.get("step", 0) <= step and not logged(r, "test")]
+
+
+def logged(record: dict[str, Any], split: str) -> dict[str, Any]:
+    """What a record of `metrics.jsonl` holds of `split` (train, val or test), by name: its
+    `test/acc` as `acc`."""
+    prefix = f"{split}/"
+    return {key.removeprefix(prefix): v for key, v in record.items() if key.startswith(prefix)}
+
+
+def measured(record: dict[str, Any], split: str) -> dict[str, float]:
+    """The metrics of `split` in `record`, without its integers: a count (`correct`) and the
+    tested weights' epoch are whole numbers, a metric (`loss`, `acc`, `mae`) is a float."""
+    return {name: v for name, v in logged(record, split).items() if isinstance(v, float)}

@@ -22,6 +22,7 @@ from src import checkpoint, distributed, drift, plots, storage
 from src.checkpoint import Checkpointer, Parts
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
+from src.tasks import Task, preflight
 from src.training import (
     Fitted,
     build_scheduler,
@@ -36,7 +37,9 @@ from src.training import (
 
 log = logging.getLogger("train")
 
-DATA_SHAPE = ("in_channels", "image_size", "num_classes")  # what a model may take from the data
+# What a model may take from the data: a sample's shape (any data; an image's channels and size)
+# and what it is to output (the number of classes; a target's shape).
+DATA_SHAPE = ("input_shape", "in_channels", "image_size", "num_classes", "target_shape")
 
 
 def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
@@ -46,7 +49,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     None without a validation split. `run_dir` defaults to the folder Hydra made for the run.
     """
     settings = read_settings(cfg)  # the config's values, checked before any work
-    trainer = settings.trainer
+    trainer, task = settings.trainer, settings.task
     configure_kernels(trainer)
     process = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
     try:
@@ -67,7 +70,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
                 drift.check_first_batch(data, process)
 
-            model = build_model(cfg, trainer, process, weights, data)
+            model = build_model(cfg, trainer, process, weights, data, task)
             if cfg.train:
                 state = resumed and resumed[1]
                 parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
@@ -89,14 +92,14 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 if data.size("val"):
                     at = {"step": fitted.step, "epoch": fitted.epoch}
                     val = evaluate_and_log(
-                        model, data, "val", process, logger, trainer, at, str(weights[0])
+                        model, task, data, "val", process, logger, trainer, at, str(weights[0])
                     )
                     result = val[settings.checkpoint.monitor]
-            test(model, data, process, logger, trainer, fitted, run_dir)  # once, at the end
+            test(model, task, data, process, logger, trainer, fitted, run_dir)  # once, at the end
             unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
             # Every rank predicts: under FSDP a forward needs them all.
-            shown = cfg.plots and plots.predict(distributed.unwrap(model), data)
-            if shown and process.is_main and not unwritten:
+            shown = plots.predict(distributed.unwrap(model), data, task) if cfg.plots else None
+            if cfg.plots and process.is_main and not unwritten:
                 unwritten = storage.attempt(lambda: draw(run_dir, shown, data, logger))
             # Every rank stops together, and none tears the process group down while another
             # still uses it.
@@ -124,7 +127,7 @@ def write_config(
         raise storage.stopped(unwritten, run_dir, None, kept)
 
 
-def draw(run_dir: Path, shown: plots.Predicted, data, logger: MetricsLogger | None) -> None:
+def draw(run_dir: Path, shown: plots.Predicted | None, data, logger: MetricsLogger | None) -> None:
     """The run's pictures, into the run folder and to the tracker."""
     pictures = plots.draw(run_dir, shown, data)
     if logger:
@@ -132,14 +135,21 @@ def draw(run_dir: Path, shown: plots.Predicted, data, logger: MetricsLogger | No
 
 
 def build_model(
-    cfg: DictConfig, trainer: Trainer, process: distributed.Process, weights: tuple | None, data
+    cfg: DictConfig,
+    trainer: Trainer,
+    process: distributed.Process,
+    weights: tuple | None,
+    data,
+    task: Task,
 ) -> nn.Module:
     """The model of `cfg.model`, the same on every rank, with the checkpoint `weights` if given,
-    wrapped as the parallel mode trains it."""
+    checked to take the data's samples and give the task what it needs (`preflight`), wrapped
+    as the parallel mode trains it."""
     # The input's shape and the number of classes that the config leaves to the data to find.
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model = instantiate(cfg.model, **found).to(process.device)
+    preflight(model, data, task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:
         checkpoint.load_model(model, *weights)

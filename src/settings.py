@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from src import tasks
 from src.errors import UserError
 
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
-MONITORS = ("val/acc", "val/loss")  # what each validation measures
 PROCESS_GROUP_MODES = ("ddp", "fsdp")  # one process per device, started by torchrun or train.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -40,7 +40,9 @@ def _at_least(key: str, value: int | None, low: int, nullable: bool = False) -> 
 _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "a whole number"),
     "int | None": ((int, type(None)), "null or a whole number"),
+    "float": ((int, float), "a number"),
     "float | None": ((int, float, type(None)), "null or a number"),
+    "str | None": ((str, type(None)), "null or a string"),
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "bool | str": ((bool, str), "true, false or a string"),
@@ -51,7 +53,13 @@ def _check_types(settings: Any, section: str) -> None:
     """Refuse a value of the wrong type (a string for a number, true for a count) by its key."""
     for f in fields(settings):
         value = getattr(settings, f.name)
-        kinds, said = _TYPES[str(f.type)]
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if annotation not in _TYPES:  # a field a fork added, of a type not listed above
+            raise TypeError(
+                f"{section}.{f.name} is annotated {annotation}, which _TYPES in src/settings.py "
+                f"does not check: add it there ({', '.join(_TYPES)} are)."
+            )
+        kinds, said = _TYPES[annotation]
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             _refuse(f"{section}.{f.name}", value, said)
 
@@ -128,8 +136,8 @@ class Checkpointing:
     def __post_init__(self) -> None:
         _check_types(self, "checkpoint")
         _at_least("checkpoint.every_n_steps", self.every_n_steps, 1, nullable=True)
-        if self.monitor not in MONITORS:
-            _refuse("checkpoint.monitor", self.monitor, " or ".join(MONITORS))
+        if not self.monitor.startswith("val/"):
+            _refuse("checkpoint.monitor", self.monitor, "a metric of the validation split: val/...")
         if self.mode not in ("max", "min"):
             _refuse("checkpoint.mode", self.mode, "max or min")
 
@@ -140,6 +148,7 @@ class Settings:
 
     trainer: Trainer
     checkpoint: Checkpointing
+    task: Any = None  # what is learned: its loss and metrics (src/tasks.py)
     train: bool = True
     validates: bool = True  # data.val_size > 0: a validation split is held out
     # DDP: compare the ranks' parameters before each validation and save ("eval"), also every
@@ -147,6 +156,13 @@ class Settings:
     check_sync: int | str | None = None
 
     def __post_init__(self) -> None:
+        monitor, known = self.checkpoint.monitor, tasks.names(self.task) if self.task else None
+        if known and monitor.removeprefix("val/") not in known:
+            metrics = " or ".join(f"val/{name}" for name in known)
+            raise UserError(
+                f"checkpoint.monitor={monitor} is not a metric this task returns: use {metrics} "
+                "(and checkpoint.mode max where higher is better, min where lower is)."
+            )
         selects = self.train and self.validates
         if self.trainer.early_stopping_patience is not None and not selects:
             raise UserError(
@@ -251,6 +267,7 @@ def read_settings(cfg: DictConfig) -> Settings:
     return Settings(
         trainer=_section(Trainer, trainer, step_interval=interval == "step"),
         checkpoint=_section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True)),
+        task=tasks.build(cfg.task),
         train=cfg.train,
         validates=val_size > 0,
         check_sync=check_sync if cfg.parallel.mode == "ddp" else None,

@@ -1,6 +1,7 @@
 """The summary of a sweep: `summary.csv` in its folder, with each job's overrides, its best
-validation value of `checkpoint.monitor` (what the sweep compares), the test accuracy of the
-weights it tested, wall time and status, best first; printed as a table when the sweep ends.
+validation value of `checkpoint.monitor` (what the sweep compares), the test metrics of the
+weights it tested (whichever its task logged: `test/acc`, `test/mae`, ... and `test/loss`), wall
+time and status, best first; printed as a table when the sweep ends.
 
 A Hydra callback (conf/config.yaml, hydra.callbacks). Each job leaves `job.json` in its own folder
 when it ends, so the summary also covers jobs that launchers ran in other processes (submitit).
@@ -20,9 +21,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from src.checkpoint import Best
+from src.logger import measured
 
-FIELDS = ["job", "overrides", "monitor", "best", "best_epoch", "test/acc", "test/loss",
-          "wall_s", "status", "folder"]  # fmt: skip
+# summary.csv's columns: these, then the jobs' test metrics, then LAST.
+FIRST = ["job", "overrides", "monitor", "best", "best_epoch"]
+LAST = ["wall_s", "status", "folder"]
 
 
 class SweepSummary(Callback):
@@ -41,7 +44,10 @@ class SweepSummary(Callback):
         for record in records:
             if best.monitor in record:
                 best.update(record, record["epoch"])
-        tests = [m for m in records if "test/acc" in m]
+        # What its test logged; a job stopped before it has the table's two, empty.
+        test = dict.fromkeys([f"test/{_metric(best.monitor)}", "test/loss"])
+        for record in records:
+            test.update({f"test/{name}": value for name, value in measured(record, "test").items()})
         job = {
             "job": config.hydra.job.num,
             "overrides": " ".join(job_return.overrides or []),
@@ -49,8 +55,7 @@ class SweepSummary(Callback):
             "best": best.value,
             "best_epoch": best.epoch,
             "mode": best.mode,
-            "test/acc": tests[-1]["test/acc"] if tests else None,
-            "test/loss": tests[-1]["test/loss"] if tests else None,
+            **test,
             "wall_s": round(time.monotonic() - self.started, 1),
             "status": job_return.status.name.lower(),
             "folder": str(folder),
@@ -70,14 +75,19 @@ class SweepSummary(Callback):
 
 
 def _print(sweep_dir: Path) -> None:
+    """The table: each job's best value of its monitor, and the test value of the same metric
+    (`test/acc` beside a best `val/acc`)."""
     jobs = _write(sweep_dir)
-    lines = [f"{'best':>7} {'monitor':8} {'epoch':>5} {'test acc':>8} {'wall s':>7} {'status':9} "
-             "overrides"]  # fmt: skip
+    tested = "test " + "/".join(sorted({_metric(j["monitor"]) for j in jobs}))
+    width = max(8, len(tested))
+    lines = [f"{'best':>7} {'monitor':8} {'epoch':>5} {tested:>{width}} {'wall s':>7} "
+             f"{'status':9} overrides"]  # fmt: skip
     for j in jobs:
         best = f"{j['best']:.4f}" if j["best"] is not None else "-"
-        acc = f"{j['test/acc']:.4f}" if j["test/acc"] is not None else "-"
+        value = j.get(f"test/{_metric(j['monitor'])}")
+        test = f"{value:.4f}" if value is not None else "-"
         epoch = j["best_epoch"] if j["best_epoch"] is not None else "-"
-        lines.append(f"{best:>7} {j['monitor']:8} {epoch:>5} {acc:>8} {j['wall_s']:>7} "
+        lines.append(f"{best:>7} {j['monitor']:8} {epoch:>5} {test:>{width}} {j['wall_s']:>7} "
                      f"{j['status']:9} {j['overrides']}")  # fmt: skip
     print(f"Sweep summary ({sweep_dir / 'summary.csv'}):\n" + "\n".join(lines), flush=True)
 
@@ -86,8 +96,11 @@ def _write(sweep_dir: Path) -> list[dict[str, Any]]:
     """summary.csv from the jobs' job.json files, the best by their monitor first; the rows."""
     jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")]
     jobs.sort(key=_rank)
+    # Every test metric any job logged (jobs of one sweep may run different tasks), the loss last.
+    tests = sorted({key for job in jobs for key in job if key.startswith("test/")},
+                   key=lambda key: (key == "test/loss", key))  # fmt: skip
     with (sweep_dir / "summary.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(file, [*FIRST, *tests, *LAST], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(jobs)
     return jobs
@@ -100,6 +113,11 @@ def _rank(job: dict[str, Any]) -> tuple:
     if value is None:
         return (1, 0.0, job["job"])
     return (0, -value if job["mode"] == "max" else value, job["job"])
+
+
+def _metric(monitor: str) -> str:
+    """The metric a monitor watches: `acc` for val/acc."""
+    return monitor.removeprefix("val/")
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

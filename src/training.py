@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from hydra.errors import CompactHydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -37,6 +37,7 @@ from src.distributed import Process, local_gradients, unwrap
 from src.errors import Stopped, UserError
 from src.logger import MetricsLogger
 from src.settings import Settings, Trainer
+from src.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +164,17 @@ def fit(
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
     if trainer.warmup_steps:
-        warm_up(parts, data, process, trainer, logger, progress.step)
+        warm_up(parts, settings.task, data, process, trainer, logger, progress.step)
     with StopSignals() as signals, profiler(trainer.profile, run_dir, process) as profile:
         watch = Watch(process, trainer, logger, signals, checkpointer, settings.check_sync)
         while not (why := why_finished(progress, trainer)):
-            speed = train_epoch(parts, data, process, trainer, progress, watch, profile)
+            speed = train_epoch(parts, settings.task, data, process, trainer, progress, watch,
+                                profile)  # fmt: skip
             watch.check(progress, parts.model)  # nothing non-finite is validated or saved
             if settings.validates:
                 progress.metrics = evaluate_and_log(
                     parts.model,
+                    settings.task,
                     data,
                     "val",
                     process,
@@ -206,6 +209,7 @@ def why_finished(progress: Progress, trainer: Trainer) -> str:
 
 def train_epoch(
     parts: Parts,
+    task: Task,
     data: Data,
     process: Process,
     trainer: Trainer,
@@ -218,7 +222,7 @@ def train_epoch(
     parts.model.train()
     if process.device.type == "cuda":  # this epoch's training peak, not an earlier evaluation's
         torch.cuda.reset_peak_memory_stats(process.device)
-    started, images_seen = time.perf_counter(), 0
+    started, samples_seen = time.perf_counter(), 0
     bar = tqdm(
         initial=progress.epoch_step,
         total=data.steps_per_epoch,
@@ -226,14 +230,16 @@ def train_epoch(
         desc=f"epoch {progress.epoch}",
         disable=not (process.is_main and sys.stdout.isatty()),
     )
-    for images, labels, global_size in data.train_batches(progress.epoch, progress.epoch_step):
+    for inputs, targets, global_size in data.train_batches(progress.epoch, progress.epoch_step):
         logs = (progress.step + 1) % trainer.log_every_n_steps == 0
-        loss, grad_norm = train_step(parts, images, labels, global_size, process, trainer, logs)
+        loss, grad_norm = train_step(
+            parts, task, inputs, targets, global_size, process, trainer, logs
+        )
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
         if trainer.step_interval:
             parts.scheduler.step()
         progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
-        images_seen += global_size
+        samples_seen += global_size
         bar.update()
         if profile:
             profile.step()
@@ -247,20 +253,26 @@ def train_epoch(
     bar.close()
     if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
         parts.scheduler.step()
-    return {**throughput(started, images_seen, process.device), "memory/state_mb": state_mb(parts)}
+    return {**throughput(started, samples_seen, process.device), "memory/state_mb": state_mb(parts)}
 
 
 def train_step(
     parts: Parts,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    task: Task,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
     global_size: int,
     process: Process,
     trainer: Trainer,
     measure_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step on this rank's share of a global batch of `global_size` images, in
+    """One optimizer step on this rank's share of a global batch of `global_size` samples, in
     `trainer.accumulate_grad_batches` micro-batches of which only the last all-reduces under DDP.
+
+    Each micro-batch's loss is the task's sum over its terms divided by the global batch's count
+    of them (the task's `count`, summed over the micro-batches and the ranks) times the number of
+    ranks: the micro-batches' gradients add up and DDP averages the ranks', which leaves the
+    gradient of the mean over the whole global batch, however unevenly the terms fall.
 
     Returns this rank's loss (its part of the global batch's mean) and the gradients' global norm
     before clipping, which is measured when `gradient_clip_val` clips or `measure_norm` asks.
@@ -269,15 +281,15 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
     micro = max(1, min(trainer.accumulate_grad_batches, global_size // process.world_size))
-    pieces = list(zip(images.tensor_split(micro), labels.tensor_split(micro), strict=True))
+    pieces = list(zip(inputs.tensor_split(micro), targets.tensor_split(micro), strict=True))
+    per_rank = global_count([task.count(x, y) for x, y in pieces], process) / process.world_size
     total = None
     for i, (x, y) in enumerate(pieces):
         last = i == len(pieces) - 1
         # DDP and FSDP reduce in the backward of the last micro-batch only, the sum of them all.
         with local_gradients(model, process, local=not last):
             with autocast(process.device, trainer):
-                logits = model(x.contiguous(memory_format=trainer.memory_format))
-                loss = train_loss(logits, y, global_size, process.world_size, micro)
+                loss = task.loss(model(laid_out(x, trainer)), x, y) / per_rank
             scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     grad_norm = None
@@ -294,23 +306,29 @@ def train_step(
     return total, grad_norm
 
 
-def train_loss(
-    logits: torch.Tensor, labels: torch.Tensor, global_size: int, world_size: int, micro: int = 1
-) -> torch.Tensor:
-    """Cross-entropy scaled so that the gradient, summed over `micro` micro-batches and averaged
-    by DDP over the ranks, equals the mean over the whole global batch.
+def global_count(counts: list[int | torch.Tensor], process: Process) -> int | torch.Tensor:
+    """The global batch's count of loss terms, from this rank's micro-batches' `counts`: summed
+    over the ranks in one all-reduce on the device, which the host does not wait for (a count
+    known on the host is filled in by a kernel, not copied). One process: the sum, which may not
+    be 0 (a batch with nothing to learn from)."""
+    total = sum(counts)
+    if process.in_group:
+        if not torch.is_tensor(total):
+            total = torch.full((), total, dtype=torch.int64, device=process.device)
+        dist.all_reduce(total)
+    elif isinstance(total, int) and total == 0:
+        raise UserError(
+            "The task's count of loss terms in a training batch is 0 (every target masked?): "
+            "the loss's mean over it is undefined. Check the task's count and the data."
+        )
+    return total
 
-    Each micro-batch sums its samples' losses and multiplies by world_size / global_size; the
-    micro-batches' gradients add up, and DDP divides the sum of the ranks' gradients by
-    world_size, which leaves the gradient of the mean loss over the global batch. With equal
-    micro-batches on equal shares (always in one process without accumulation) that is the plain
-    mean divided by `micro`, one operation fewer per step; the scaled sum keeps it exact when a
-    last batch splits unevenly.
-    """
-    if len(labels) * micro * world_size == global_size:
-        loss = F.cross_entropy(logits, labels)
-        return loss if micro == 1 else loss / micro
-    return F.cross_entropy(logits, labels, reduction="sum") * (world_size / global_size)
+
+def laid_out(inputs: torch.Tensor, trainer: Trainer | None) -> torch.Tensor:
+    """Images in the memory layout `trainer.channels_last` asks; other inputs as they are."""
+    if trainer is None or inputs.ndim != 4:
+        return inputs
+    return inputs.contiguous(memory_format=trainer.memory_format)
 
 
 class Watch:
@@ -435,6 +453,7 @@ def stop_now(process: Process, checkpointer: Checkpointer, step: int) -> NoRetur
 
 def warm_up(
     parts: Parts,
+    task: Task,
     data: Data,
     process: Process,
     trainer: Trainer,
@@ -460,9 +479,9 @@ def warm_up(
         data.train_batches(1, skip=last),  # the last batch, often smaller: another shape
         data.train_batches(1, skip=last),
     )
-    for images, labels, global_size in batches:
-        train_step(parts, images, labels, global_size, process, trainer)
-    evaluate(model, data, "val" if data.size("val") else "test", process, trainer)  # thrown away
+    for inputs, targets, global_size in batches:
+        train_step(parts, task, inputs, targets, global_size, process, trainer)
+    evaluate(model, task, data, "val" if data.size("val") else "test", process, trainer)  # dropped
     unwrap(model).load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     scaler.load_state_dict(saved[2])
@@ -534,6 +553,7 @@ def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger
 
 def evaluate_and_log(
     model: nn.Module,
+    task: Task,
     data: Data,
     split: str,
     process: Process,
@@ -544,15 +564,13 @@ def evaluate_and_log(
 ) -> dict[str, Any]:
     """Evaluate on `split` (val or test); print the result after `about` (where training stands,
     which weights), and log it with `record` (its step, epoch, ...)."""
-    metrics = evaluate(model, data, split, process, trainer)
-    log.info(
-        "%s: %s loss %.4f, %s accuracy %.4f",
-        about,
-        split,
-        metrics[f"{split}/loss"],
-        split,
-        metrics[f"{split}/acc"],
+    metrics = evaluate(model, task, data, split, process, trainer)
+    shown = ", ".join(
+        f"{split} {key.split('/', 1)[1]} {value:.4f}"
+        for key, value in metrics.items()
+        if isinstance(value, float)
     )
+    log.info("%s: %s", about, shown)
     if logger:
         logger.log({**record, **metrics})
     return metrics
@@ -560,6 +578,7 @@ def evaluate_and_log(
 
 def test(
     model: nn.Module,
+    task: Task,
     data: Data,
     process: Process,
     logger: MetricsLogger | None,
@@ -577,7 +596,7 @@ def test(
         weights_epoch = best.epoch
     record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
     about = f"Test on {weights}"
-    metrics = evaluate_and_log(model, data, "test", process, logger, trainer, record, about)
+    metrics = evaluate_and_log(model, task, data, "test", process, logger, trainer, record, about)
     if logger:
         chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
         logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
@@ -586,10 +605,19 @@ def test(
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, data: Data, split: str, process: Process, trainer: Trainer | None = None
+    model: nn.Module,
+    task: Task,
+    data: Data,
+    split: str,
+    process: Process,
+    trainer: Trainer | None = None,
 ) -> dict[str, Any]:
-    """Loss and accuracy over the whole `split` (val or test), each image counted once across
-    ranks, with the precision and memory layout of `trainer` (if given)."""
+    """The task's metrics over the whole `split` (val or test), each sample counted once across
+    ranks, with the precision and memory layout of `trainer` (if given).
+
+    The task's sums of each batch are added up in float64 on the CPU, then over the ranks, and
+    turned into metrics once: exact, whatever the world size and the batch size.
+    """
     # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
     # buffers, a collective that ranks with different numbers of batches would hang in.
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -597,19 +625,25 @@ def evaluate(
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
     # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
     process.broadcast_tensors(model.buffers())
-    layout = trainer.memory_format if trainer else torch.contiguous_format
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    sums: dict[str, float] = {}
     # Under FSDP every forward is collective: each rank runs as many as the rank with the most.
-    for images, labels in data.eval_batches(split, even=process.mode == "fsdp"):
+    for inputs, targets in data.eval_batches(split, even=process.mode == "fsdp"):
         with autocast(process.device, trainer):
-            logits = model(images.contiguous(memory_format=layout)).float()
-        loss_sum += F.cross_entropy(logits, labels, reduction="none").cpu().double().sum().item()
-        correct += (logits.argmax(dim=1) == labels).sum().item()
-        count += len(labels)
-    loss_sum, correct, count = process.sum_over_ranks([loss_sum, correct, count])
-    return {
-        f"{split}/loss": loss_sum / count,
-        f"{split}/acc": correct / count,
-        f"{split}/correct": int(correct),
-    }
+            outputs = model(laid_out(inputs, trainer))
+        batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+        for key, value in batch.items():
+            sums[key] = sums.get(key, 0.0) + float64_sum(value)
+    if process.in_group:  # a rank with no batch of this split knows none of the sums' names
+        names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
+        sums = dict(
+            zip(names, process.sum_over_ranks([sums.get(n, 0.0) for n in names]), strict=True)
+        )
+    return {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
+
+
+def float64_sum(value: torch.Tensor | float) -> float:
+    """A batch's sum of `value`'s elements, in float64 on the CPU (MPS has no float64)."""
+    if not torch.is_tensor(value):
+        return float(value)
+    return value.detach().cpu().double().sum().item()

@@ -249,14 +249,14 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl split into training lines and evaluation lines: a validation after each
     epoch, then the one test."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evaluations = [m for m in lines if "val/acc" in m or "test/acc" in m]
+    evaluations = [m for m in lines if "val/loss" in m or "test/loss" in m]  # any task's
     return [m for m in lines if "train/loss" in m], evaluations
 
 
 def read_test(run_dir: Path) -> dict:
-    """The run's one test line (the last line of metrics.jsonl with test/acc)."""
+    """The run's one test line (the last line of metrics.jsonl with test/loss)."""
     evaluations = read_metrics(run_dir)[1]
-    assert [m for m in evaluations if "test/acc" in m] == evaluations[-1:], "one test, at the end"
+    assert [m for m in evaluations if "test/loss" in m] == evaluations[-1:], "one test, at the end"
     return evaluations[-1]
 
 

@@ -419,7 +419,7 @@ def test_train_false_evaluates_a_checkpoint(tmp_path, tiny_data):
     )
     assert validation["val/correct"] == trained["val/correct"]  # both splits, the same weights
     assert test["test/correct"] == tested_there["test/correct"]
-    assert f"test accuracy {test['test/acc']:.4f}" in printed(result)
+    assert f"test acc {test['test/acc']:.4f}" in printed(result)
     assert not (tmp_path / "eval" / "checkpoints").exists()
 
 

@@ -1,8 +1,10 @@
 """The config tree, composed with Hydra's compose API exactly as train.py composes it."""
 
+import dataclasses
 import json
 import re
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,12 +15,12 @@ from omegaconf import OmegaConf
 
 from src.data import Data
 from src.errors import UserError
-from src.settings import read_settings
+from src.settings import _check_types, read_settings
 from src.training import build_scheduler
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-    for group in ("model", "data", "optimizer", "scheduler", "parallel", "logger")
+    for group in ("model", "data", "task", "optimizer", "scheduler", "parallel", "logger")
 }
 
 
@@ -38,13 +40,39 @@ def test_every_option_composes_and_says_what_it_is():
 @pytest.mark.unit
 @pytest.mark.parametrize("data", ["mnist", "cifar10"])
 @pytest.mark.parametrize("name", GROUPS["model"])
-def test_models_build_and_classify_a_batch(name, data):
+def test_models_build_and_take_a_batch(name, data):
     """Every model takes its input's shape and its outputs from the data: 28×28 grey images in
-    10 classes, and 32×32 colour ones."""
+    10 classes, and 32×32 colour ones. A classifier gives a score per class; the autoencoder,
+    whose `input_shape: null` the data fills, gives back its input's shape."""
     cfg = compose_config(f"model={name}", f"data={data}")
-    model = instantiate(cfg.model)
     shape = (cfg.data.in_channels, cfg.data.image_size, cfg.data.image_size)
-    assert model(torch.zeros(2, *shape)).shape == (2, 10)
+    found = {"input_shape": list(shape)} if cfg.model.get("input_shape", 0) is None else {}
+    model = instantiate(cfg.model, **found)
+    assert model(torch.zeros(2, *shape)).shape == ((2, *shape) if found else (2, 10))
+
+
+@pytest.mark.unit
+def test_a_setting_of_every_annotation_is_checked():
+    """The README's recipe for a training setting: a field of a type the settings use (a
+    float, a string or null, ...) is checked by its key; one of a type nothing checks says where
+    to add its check, instead of a bare KeyError."""
+
+    @dataclass(frozen=True)
+    class Mine:
+        rate: float = 0.5
+        name: str | None = None
+
+    _check_types(Mine(), "trainer")
+    _check_types(Mine(rate=2, name="a"), "trainer")
+    with pytest.raises(UserError, match="trainer.rate=fast is not allowed: use a number"):
+        _check_types(Mine(rate="fast"), "trainer")
+
+    @dataclass(frozen=True)
+    class Listed:
+        sizes: list = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="trainer.sizes is annotated list, which _TYPES"):
+        _check_types(Listed(), "trainer")
 
 
 @pytest.mark.unit
@@ -172,7 +200,10 @@ def test_every_yaml_key_has_a_comment():
             "scheduler.interval=epochs is not allowed: use epoch or step",
         ),
         ("data.val_size=-1", "data.val_size=-1 is not allowed: use 0 .none. or more"),
-        ("checkpoint.monitor=val/f1", "monitor=val/f1 is not allowed: use val/acc or val/loss"),
+        (
+            "checkpoint.monitor=val/f1",
+            "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
+        ),
         ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
         ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max or min"),
         ("trainer.test_weights=first", "test_weights=first is not allowed: use best or last"),
@@ -353,3 +384,52 @@ def test_optuna_search_maximises_validation_accuracy(tmp_path, tiny_data, parall
     accuracies = [max(m["val/acc"] for m in read_metrics(job)[1][:-1]) for job in jobs]
     assert len(accuracies) == 2 and best.best_value == max(accuracies)
     assert set(best.best_params) == {"optimizer", "optimizer.lr", "data.batch_size"}
+
+
+@pytest.mark.unit
+@pytest.mark.extra("optuna")
+@pytest.mark.parametrize(("mode", "direction"), [("max", "maximize"), ("min", "minimize")])
+def test_the_optuna_direction_follows_checkpoint_mode(mode, direction):
+    """The sweeper as Hydra builds it for `-m` (from the whole config, where the direction's
+    interpolation finds checkpoint.mode); its directions are what it creates the study with."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.plugins import Plugins
+    from hydra.types import HydraContext
+
+    overrides = ["hparams_search=optuna", f"checkpoint.mode={mode}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+    assert config.hydra.sweeper.direction == direction
+    sweeper = Plugins.instance().instantiate_sweeper(
+        config=config,
+        hydra_context=HydraContext(config_loader=None, callbacks=None),
+        task_function=None,
+    )
+    assert sweeper.sweeper._get_directions() == [direction]
+
+
+@pytest.mark.slow
+@pytest.mark.extra("optuna")
+def test_optuna_search_minimises_the_monitor_under_mode_min(tmp_path, tiny_data):
+    """checkpoint.monitor=val/loss checkpoint.mode=min: each trial's value is its lowest val/loss,
+    and the best trial the lowest of them."""
+    result = train(
+        [
+            "-m",
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2",
+            f"data.root={tiny_data}",
+            "logger=none",
+            "trainer.max_steps=3",
+            "checkpoint.monitor=val/loss",
+            "checkpoint.mode=min",
+        ],
+        tmp_path,
+    )
+    ok(result)
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    jobs = sorted(sweep_dir.glob("[0-9]"))
+    losses = [min(m["val/loss"] for m in read_metrics(job)[1][:-1]) for job in jobs]
+    assert len(set(losses)) == 2, "two trials that differ, or the direction goes untested"
+    assert best.best_value == min(losses)

@@ -15,6 +15,7 @@ from src.checkpoint import Parts
 from src.distributed import Process, check_data_parallel, rank_gpu
 from src.errors import UserError
 from src.settings import Trainer
+from src.tasks import Classification
 from src.training import configure_kernels, warm_up
 
 
@@ -121,7 +122,7 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
-    warm_up(parts, data, Process(), Trainer(warmup_steps=1), None, 0)
+    warm_up(parts, Classification(), data, Process(), Trainer(warmup_steps=1), None, 0)
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
 
 

@@ -17,15 +17,17 @@ from src.data import Data
 from src.distributed import Process
 from src.errors import UserError
 from src.settings import Checkpointing, Trainer
+from src.tasks import Classification
 from src.training import (
     NonFiniteLoss,
     StopSignals,
     Watch,
     check_accumulation,
     evaluate,
-    train_loss,
     train_step,
 )
+
+CLASSIFY = Classification()
 
 
 def parts(precision: str = "32", init_scale: float = 2.0**16) -> Parts:
@@ -44,7 +46,7 @@ def batch(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weights_after_step(images, labels, global_size, **trainer) -> list[torch.Tensor]:
     trained = parts()
-    train_step(trained, images, labels, global_size, Process(), Trainer(**trainer))
+    train_step(trained, CLASSIFY, images, labels, global_size, Process(), Trainer(**trainer))
     return [p.detach().clone() for p in trained.model.parameters()]
 
 
@@ -69,8 +71,8 @@ def test_uneven_shares_of_two_ranks_add_up_to_the_global_mean():
     for share in (slice(0, 7, 2), slice(1, 7, 2)):
         model.zero_grad()
         pieces = zip(images[share].tensor_split(2), labels[share].tensor_split(2), strict=True)
-        for x, y in pieces:
-            train_loss(model(x), y, global_size=7, world_size=2, micro=2).backward()
+        for x, y in pieces:  # the sum over each micro-batch, by the global count per rank
+            (CLASSIFY.loss(model(x), x, y) / (7 / 2)).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     model.zero_grad()
     nn.functional.cross_entropy(model(images), labels).backward()
@@ -83,7 +85,7 @@ def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
     trained, (images, labels) = parts(), batch(16)
     before = [p.detach().clone() for p in trained.model.parameters()]
     trainer = Trainer(gradient_clip_val=0.01)
-    _, norm = train_step(trained, images, labels, 16, Process(), trainer)
+    _, norm = train_step(trained, CLASSIFY, images, labels, 16, Process(), trainer)
     assert norm > 0.1  # the norm before clipping, far above the bound
     moved = [b - p.detach() for b, p in zip(before, trained.model.parameters(), strict=True)]
     assert math.isclose(torch.nn.utils.get_total_norm(moved).item(), 0.01, rel_tol=1e-4)
@@ -92,8 +94,10 @@ def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
 @pytest.mark.unit
 def test_the_norm_is_measured_without_clipping_only_when_asked():
     images, labels = batch(16)
-    assert train_step(parts(), images, labels, 16, Process(), Trainer())[1] is None
-    _, norm = train_step(parts(), images, labels, 16, Process(), Trainer(), measure_norm=True)
+    assert train_step(parts(), CLASSIFY, images, labels, 16, Process(), Trainer())[1] is None
+    _, norm = train_step(
+        parts(), CLASSIFY, images, labels, 16, Process(), Trainer(), measure_norm=True
+    )
     assert norm > 0
 
 
@@ -109,7 +113,7 @@ def test_float16_steps_the_scaler_skips_are_not_errors():
     before = [p.detach().clone() for p in trained.model.parameters()]
     trainer, looking = Trainer(precision="16"), watch()
     for step in (1, 2):
-        loss, _ = train_step(trained, images, labels, 16, Process(), trainer)
+        loss, _ = train_step(trained, CLASSIFY, images, labels, 16, Process(), trainer)
         looking.losses.append((step, loss))
     assert trained.scaler.get_scale() < 2.0**127  # steps were skipped: the scale came down
     assert all(torch.equal(b, p) for b, p in zip(before, trained.model.parameters(), strict=True))
@@ -212,7 +216,7 @@ def test_a_batchnorm_model_under_ddp_counts_what_its_checkpoint_counts(tmp_path,
     data.setup(Process())
     assert isinstance(data, Data)
     for split, logged in (("val", validated), ("test", tested)):
-        single = evaluate(model, data, split, Process())
+        single = evaluate(model, CLASSIFY, data, split, Process())
         assert logged[f"{split}/correct"] == single[f"{split}/correct"]
         assert math.isclose(logged[f"{split}/loss"], single[f"{split}/loss"], rel_tol=1e-6)
 

@@ -222,6 +222,17 @@ def test_a_torn_last_line_of_metrics_is_left_out_on_resume(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == whole
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("metric", ["acc", "mae"])
+def test_a_resumed_run_leaves_the_tests_line_out_whatever_the_task(tmp_path, metric):
+    """The test of the launch that was stopped (classification's test/acc, regression's
+    test/mae) is at its checkpoint's step, and still left out: the resumed run tests again."""
+    lines = [{"step": 2, "train/loss": 1.5}, {"step": 2, "epoch": 1, "val/loss": 1.2}]
+    test = {"step": 2, "epoch": 1, "test/weights_epoch": 1, f"test/{metric}": 0.5}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*lines, test]))
+    assert metrics_until(tmp_path / "metrics.jsonl", step=2) == lines
+
+
 def test_a_download_onto_a_full_disk_leaves_nothing_partial(tmp_path, small_disk, monkeypatch):
     """torchvision's own download code writing onto the 4 MB disk, from a local server: its
     mirror list and checksum are pointed there (nothing can be fetched from the internet here),

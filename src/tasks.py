@@ -1,0 +1,224 @@
+"""What a run learns: the loss, the metrics and the pictures of a task, apart from the engine.
+
+A task is a small object named by `conf/task/*.yaml` (`_target_`); a fork writes its own, in
+any importable file. The engine (order, ranks, precision, checkpoints) asks it four things:
+
+    count(inputs, targets) -> int | Tensor
+        how many terms the loss sums over in this batch: samples, pixels, unmasked tokens. From
+        the batch alone, before the forward, so every rank knows the global batch's count.
+    loss(outputs, inputs, targets) -> Tensor
+        the sum of those terms, a scalar. The engine divides it by the global batch's count
+        (summed over the micro-batches and the ranks), so the gradient is the mean over the
+        whole global batch under DDP, FSDP and accumulation, also when the ranks' counts differ.
+    sums(outputs, inputs, targets) -> dict[str, Tensor | number]
+        evaluation's additive quantities for one batch (a loss sum, the correct predictions).
+        The engine sums each one's elements in float64 over the split's batches and the ranks,
+        and adds `count`: every sample is counted exactly once, whatever the world size.
+    metrics(sums) -> dict[str, float]
+        the numbers a split reports (`loss`, `acc`), from those sums; `<split>/` is put before
+        each name. Called once per evaluation on every rank, so a metric that is not a sum
+        (AUROC, F1 over the whole split) can be a torchmetrics object updated in `sums` and
+        computed (over the ranks, by torchmetrics itself) and reset here.
+
+and, where it has them, `names` (the metrics' names, checked against `checkpoint.monitor`
+before training), `check(outputs, inputs, targets)` (a sentence for targets the task cannot
+take) and `captions(outputs, targets, class_names)` (what `predictions.png` writes under each
+input image; a task without it draws no predictions).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from src.errors import UserError
+
+
+class Task(Protocol):
+    names: tuple[str, ...]
+
+    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int | torch.Tensor: ...
+
+    def loss(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def sums(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, Any]: ...
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+class Classification:
+    """One class per sample (or per pixel, for N×H×W targets): cross-entropy, and accuracy.
+
+    `label_smoothing` (0 to 1) softens the training loss's targets; the evaluated loss stays the
+    plain cross-entropy, so runs with and without it compare on one scale.
+    """
+
+    names = ("loss", "acc")
+
+    def __init__(self, label_smoothing: float = 0.0):
+        if not 0 <= label_smoothing < 1:
+            raise UserError(
+                f"task.label_smoothing={label_smoothing} is not allowed: use 0 (none) up to "
+                "below 1, e.g. 0.1."
+            )
+        self.label_smoothing = label_smoothing
+
+    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        return targets.numel()
+
+    def loss(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        return F.cross_entropy(
+            outputs, targets, reduction="sum", label_smoothing=self.label_smoothing
+        )
+
+    def sums(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, Any]:
+        outputs = outputs.float()
+        return {
+            "loss": F.cross_entropy(outputs, targets, reduction="none"),
+            "correct": outputs.argmax(dim=1) == targets,
+        }
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        count = sums["count"]
+        return {"loss": sums["loss"] / count, "acc": sums["correct"] / count,
+                "correct": int(sums["correct"])}  # fmt: skip
+
+    def check(self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if targets.is_floating_point() or targets.dtype == torch.bool:
+            raise UserError(
+                f"task=classification takes class numbers as targets, and the data's are "
+                f"{targets.dtype}: for real-valued targets use task=regression (or your own)."
+            )
+        if outputs.ndim != targets.ndim + 1:
+            raise UserError(
+                f"task=classification takes one score per class for each target: the model's "
+                f"output is {tuple(outputs.shape)} for targets of {tuple(targets.shape)}, so "
+                f"it should be {(targets.shape[0], 'classes', *targets.shape[1:])}."
+            )
+
+    def captions(
+        self, outputs: torch.Tensor, targets: torch.Tensor, class_names: list[str] | None
+    ) -> list[tuple[str, bool]] | None:
+        """Under each image, the predicted class, and the true one where it is wrong (in red)."""
+        if targets.ndim != 1:
+            return None
+        names = class_names or [str(i) for i in range(outputs.shape[1])]
+        shown = []
+        for guess, truth in zip(outputs.argmax(dim=1).tolist(), targets.tolist(), strict=True):
+            wrong = guess != truth
+            shown.append((names[guess] + (f"\n(true: {names[truth]})" if wrong else ""), wrong))
+        return shown
+
+
+class Regression:
+    """Real-valued targets of any shape (a reconstruction, a measurement): the mean squared error
+    over every target value, and the mean absolute error. `target=input` learns the (normalised)
+    input itself: an autoencoder."""
+
+    names = ("loss", "mae")
+
+    def __init__(self, target: str = "target"):
+        if target not in ("target", "input"):
+            raise UserError(f"task.target={target} is not allowed: use target or input.")
+        self.target = target
+
+    def _targets(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return inputs if self.target == "input" else targets
+
+    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        return self._targets(inputs, targets).numel()
+
+    def loss(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        return F.mse_loss(outputs, self._targets(inputs, targets), reduction="sum")
+
+    def sums(
+        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, Any]:
+        error = outputs.float() - self._targets(inputs, targets).float()
+        return {"loss": error.square(), "mae": error.abs()}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["loss"] / sums["count"], "mae": sums["mae"] / sums["count"]}
+
+    def check(self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        targets = self._targets(inputs, targets)
+        if not targets.is_floating_point():
+            raise UserError(
+                f"task=regression learns real values, and the data's targets are "
+                f"{targets.dtype}: for class numbers use task=classification, or "
+                "task.target=input to learn the inputs themselves."
+            )
+        if outputs.shape != targets.shape:
+            raise UserError(
+                f"task=regression compares the model's output with the targets value by value: "
+                f"the output is {tuple(outputs.shape)} and the targets {tuple(targets.shape)}."
+            )
+
+
+REQUIRED = ("count", "loss", "sums", "metrics")
+
+
+def build(config: Any) -> Task:
+    """The task `config` (the `task:` node) names, checked to have the contract's methods."""
+    try:
+        task = instantiate(config)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, UserError):  # the task's own sentence, not Hydra's wrapping
+            raise err.__cause__ from None
+        raise
+    if missing := [name for name in REQUIRED if not callable(getattr(task, name, None))]:
+        raise UserError(
+            f"task={config.get('_target_')} has no {', '.join(missing)}: a task needs count, "
+            "loss, sums and metrics (see src/tasks.py)."
+        )
+    return task
+
+
+def names(task: Task) -> tuple[str, ...] | None:
+    """The metrics' names the task declares (None: it does not say)."""
+    return tuple(getattr(task, "names", ()) or ()) or None
+
+
+def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -> None:
+    """Before any training, on two training samples: the model takes the data's samples, and
+    the task takes the model's outputs and the data's targets. One sentence where either does
+    not, on every rank at once (each checks the same samples), before anything is written."""
+    raw, targets = data.sample("train", 2)
+    inputs = data.normalise(raw)
+    training = model.training
+    model.eval()  # no BatchNorm statistics updated, no dropout drawn
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except RuntimeError as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "
+            f"{inputs.dtype} inputs stopped it with: {detail}. Give the model the data's shape "
+            "(in_channels, image_size, num_classes or input_shape: null takes the data's)."
+        ) from None
+    finally:
+        model.train(training)
+    if check := getattr(task, "check", None):
+        check(outputs, inputs, targets)
+    loss = task.loss(outputs, inputs, targets)
+    if not (torch.is_tensor(loss) and loss.ndim == 0):
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise UserError(
+            f"The task's loss of a batch is {shape}, not a scalar: return the sum over the "
+            "batch's terms (reduction='sum'); the engine divides it by the global count."
+        )
