@@ -1,5 +1,8 @@
-"""The reference networks. Each takes N×C×H×W images and returns logits; the data tells it its
-input's channels (`in_channels`), height and width (`image_size`) and its `num_classes`."""
+"""The reference networks. The classifiers take N×C×H×W images and return logits; the data tells
+them its input's channels (`in_channels`), height and width (`image_size`) and its
+`num_classes`. The autoencoder takes any sample's shape (`input_shape`) and returns its own."""
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -68,3 +71,20 @@ def resnet18(in_channels: int, num_classes: int, small_images: bool) -> nn.Modul
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
     return model
+
+
+class AutoEncoder(nn.Module):
+    """Flatten → Linear → ReLU → Linear to a `code` → ReLU → Linear → ReLU → Linear back, shaped
+    as the input: learns to reconstruct its input through a narrow code (task=regression
+    task.target=input). Any sample shape: `input_shape` is the data's (C×H×W for images)."""
+
+    def __init__(self, input_shape: list[int], hidden: int, code: int):
+        super().__init__()
+        self.shape, size = tuple(input_shape), math.prod(input_shape)
+        self.encoder = nn.Sequential(nn.Linear(size, hidden), nn.ReLU(), nn.Linear(hidden, code))
+        self.decoder = nn.Sequential(
+            nn.ReLU(), nn.Linear(code, hidden), nn.ReLU(), nn.Linear(hidden, size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(torch.flatten(x, 1))).view(-1, *self.shape)
