@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from src import tasks
 from src.errors import UserError
@@ -211,6 +212,14 @@ def read_settings(cfg: DictConfig) -> Settings:
                 f"data.{key} has no value: add data.{key}=... to the command (data=image_folder "
                 "needs data.root=PATH, the folder that holds train/ and test/)."
             )
+    try:  # a model's keys that name the data's (${data.in_channels}) the data config lacks
+        OmegaConf.to_container(cfg.model, resolve=True)
+    except InterpolationKeyError as err:
+        raise UserError(
+            f"{err.full_key} takes the data's {err.key}, and data.dataset="
+            f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
+            f"data's input_shape, or set {err.full_key}=... yourself."
+        ) from None
     _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
     share = isinstance(val_size, float) and 0 < val_size < 1

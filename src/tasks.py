@@ -101,11 +101,12 @@ class Classification:
                 f"task=classification takes class numbers as targets, and the data's are "
                 f"{targets.dtype}: for real-valued targets use task=regression (or your own)."
             )
-        if outputs.ndim != targets.ndim + 1:
+        shape, want = tuple(outputs.shape), (targets.shape[0], "classes", *targets.shape[1:])
+        if len(shape) != len(want) or shape[:1] + shape[2:] != want[:1] + want[2:]:
             raise UserError(
-                f"task=classification takes one score per class for each target: the model's "
-                f"output is {tuple(outputs.shape)} for targets of {tuple(targets.shape)}, so "
-                f"it should be {(targets.shape[0], 'classes', *targets.shape[1:])}."
+                f"task=classification takes one score per class for each target, the classes "
+                f"in dimension 1 (as cross_entropy): the model's output is {shape} for targets "
+                f"of {tuple(targets.shape)}, so it should be {want}."
             )
 
     def captions(
@@ -204,7 +205,7 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
     try:
         with torch.no_grad():
             outputs = model(inputs)
-    except RuntimeError as err:
+    except (RuntimeError, IndexError, ValueError) as err:  # shapes, an embedding's size, ...
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "

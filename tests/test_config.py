@@ -201,6 +201,11 @@ def test_every_yaml_key_has_a_comment():
         ),
         ("data.val_size=-1", "data.val_size=-1 is not allowed: use 0 .none. or more"),
         (
+            "~data.in_channels",  # a dataset of other samples than images, with model=mlp
+            "model.in_channels takes the data's in_channels, and data.dataset=src.datasets.IDX has "
+            "none",
+        ),
+        (
             "checkpoint.monitor=val/f1",
             "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
         ),

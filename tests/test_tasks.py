@@ -1,0 +1,550 @@
+"""Tasks (src/tasks.py): the contract of the template's two, the masked-token loss over uneven
+ranks and micro-batches, exact evaluation, one sentence for each mistake a fork makes, and the
+worked fork of docs/tasks.md, trained in every mode from the page's own code and commands.
+
+The page's code blocks that open with a path (`# fork/mytask.py`) are written into a folder of
+the test's, each under that path, and its `sh` block's commands are run from there as written,
+with the overrides that make the runs small."""
+
+import copy
+import importlib
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    CONF,
+    EVAL_LOSS_ATOL,
+    LOSS_ATOL,
+    REPO,
+    VAL_SIZE,
+    WEIGHT_ATOL,
+    load,
+    offline_env,
+    ok,
+    printed,
+    read_metrics,
+    train,
+)
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from src.checkpoint import Parts
+from src.distributed import Process
+from src.errors import UserError
+from src.run import build_model
+from src.settings import Trainer, read_settings
+from src.tasks import Classification, Regression
+from src.training import evaluate, float64_sum, train_step
+
+PAGE = REPO / "docs" / "tasks.md"
+
+# A fork's mistakes, each a class a test names by `_target_` (written beside mytask.py).
+MISTAKES = '''"""A fork's mistakes, one per class."""
+
+import torch.nn.functional as F
+
+import mytask
+from src.datasets import Tensors
+
+
+class PerToken(mytask.NextToken):
+    """Returns each token's loss (reduction="none"), not their sum."""
+
+    def loss(self, outputs, inputs, targets):
+        return F.cross_entropy(
+            outputs.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none"
+        )
+
+
+class Unfinished:
+    """A loss and its count, but no sums or metrics for evaluation."""
+
+    count, loss = mytask.NextToken.count, mytask.NextToken.loss
+
+
+class FloatCounting(mytask.Counting):
+    """The counting sequences, with their targets as floats."""
+
+    def split(self, name):
+        inputs, targets = super().split(name).tensors()
+        return Tensors(inputs, targets.float())
+'''
+
+
+def fork_files() -> dict[str, str]:
+    """The page's files: each code block that opens with `# fork/<path>`, the rest its text."""
+    blocks = re.findall(r"```(?:python|yaml)\n# (fork/\S+)\n(.*?)```", PAGE.read_text(), re.S)
+    return dict(blocks)
+
+
+def fork_commands() -> list[str]:
+    """The page's commands: its one `sh` block, a command a line."""
+    (block,) = re.findall(r"```sh\n(.*?)```", PAGE.read_text(), re.S)
+    return block.splitlines()
+
+
+def write_fork(folder: Path) -> Path:
+    """The page's files under `folder` (`folder/fork/mytask.py`, ...), and the mistakes."""
+    for path, text in fork_files().items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+    (folder / "fork" / "mistakes.py").write_text(MISTAKES)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fork(tmp_path_factory):
+    """The fork written once for the in-process tests, `mytask` and `mistakes` importable."""
+    folder = write_fork(tmp_path_factory.mktemp("fork")) / "fork"
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def compose_with_fork(fork: Path, *overrides: str):
+    """The run's config as train.py composes it, with the fork's conf/ on Hydra's search path
+    (what `--config-dir fork/conf` does on the command line)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        searchpath = f"hydra.searchpath=[file://{fork / 'conf'}]"
+        return compose("config", overrides=[searchpath, *overrides])
+
+
+def start_of_run(cfg):
+    """What src/run.py does before training, in this process: the settings (the task built and
+    checked against the monitor), the data, and the model with its preflight on two samples."""
+    settings = read_settings(cfg)
+    data = instantiate(cfg.data)
+    data.setup(Process())
+    return settings, data, build_model(cfg, settings.trainer, Process(), None, data, settings.task)
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract, in this process
+
+
+@pytest.mark.unit
+def test_the_page_lists_its_files_with_their_line_counts():
+    """The table names each file the page's blocks hold, with its number of lines."""
+    files = fork_files()
+    listed = dict(re.findall(r"^\| `(fork/[^`]+)` \| (\d+) \|", PAGE.read_text(), re.M))
+    assert {path: len(text.splitlines()) for path, text in files.items()} == {
+        path: int(lines) for path, lines in listed.items()
+    }
+    assert set(files) >= {"fork/mytask.py", "fork/conf/experiment/counting.yaml"}
+
+
+@pytest.mark.unit
+def test_classification_keeps_the_contract():
+    """One count per target (per pixel for N×H×W targets), the summed cross-entropy (label
+    smoothing in the training loss only), per-sample sums the engine adds up, metrics from them,
+    and a sentence for targets it cannot take."""
+    inputs = torch.zeros(4, 3)
+    outputs = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0], [1.0, 1.0, 0.0], [-2.0, 0.0, 2.0]])
+    targets = torch.tensor([0, 2, 1, 0])  # argmax 0, 2, 0, 2: two right
+    task = Classification()
+    assert task.count(inputs, targets) == 4
+    plain = F.cross_entropy(outputs, targets, reduction="none")
+    torch.testing.assert_close(task.loss(outputs, inputs, targets), plain.sum())
+    sums = task.sums(outputs, inputs, targets)
+    torch.testing.assert_close(sums["loss"], plain)
+    assert sums["correct"].tolist() == [True, True, False, False]
+    totals = {"count": 4.0, **{key: float64_sum(value) for key, value in sums.items()}}
+    metrics = task.metrics(totals)
+    assert metrics == {"loss": totals["loss"] / 4, "acc": 0.5, "correct": 2}
+    assert math.isclose(metrics["loss"], plain.double().mean().item(), rel_tol=1e-7)
+
+    smoothed = Classification(label_smoothing=0.1)
+    expected = F.cross_entropy(outputs, targets, reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(smoothed.loss(outputs, inputs, targets), expected)
+    assert not torch.allclose(expected, plain.sum())
+    torch.testing.assert_close(smoothed.sums(outputs, inputs, targets)["loss"], plain)
+
+    pixels = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 3, (2, 4, 5), generator=torch.Generator().manual_seed(1))
+    assert task.count(pixels, labels) == 40
+    torch.testing.assert_close(
+        task.loss(pixels, pixels, labels), F.cross_entropy(pixels, labels, reduction="sum")
+    )
+    task.check(pixels, pixels, labels)  # one score per class for each pixel: taken
+    with pytest.raises(UserError, match=r"^task=classification takes class numbers as targets"):
+        task.check(outputs, inputs, targets.float())
+    with pytest.raises(UserError, match=r"output is \(4, 3\) for targets of \(4, 1\), so it "):
+        task.check(outputs, inputs, targets[:, None])
+
+
+@pytest.mark.unit
+def test_regression_keeps_the_contract():
+    """One count per target value, the summed squared error, squared and absolute errors the
+    engine adds up; `target=input` learns the inputs; a sentence for what it cannot take."""
+    inputs = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 4.0]])
+    outputs = torch.tensor([[1.5, 2.0, 2.0], [0.0, 1.0, 4.0]])
+    targets = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    task = Regression()
+    assert task.count(inputs, targets) == 6
+    torch.testing.assert_close(task.loss(outputs, inputs, targets), torch.tensor(12.25))
+    sums = task.sums(outputs, inputs, targets)
+    totals = {"count": 6.0, **{key: float64_sum(value) for key, value in sums.items()}}
+    assert task.metrics(totals) == {"loss": 12.25 / 6, "mae": 6.5 / 6}
+
+    autoencoder = Regression(target="input")
+    assert autoencoder.count(inputs, targets[:, :1]) == 6  # the inputs' values, not the targets'
+    torch.testing.assert_close(autoencoder.loss(outputs, inputs, targets), torch.tensor(5.25))
+    with pytest.raises(UserError, match=r"^task.target=label is not allowed: use target or "):
+        Regression(target="label")
+    with pytest.raises(UserError, match=r"^task=regression learns real values, and the data's "):
+        task.check(outputs, inputs, targets.long())
+    with pytest.raises(UserError, match=r"the output is \(2, 3\) and the targets \(2, 1\)\.$"):
+        task.check(outputs, inputs, targets[:, :1])
+
+
+def next_token_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """8 of the fork's counting sequences, of 16, 2 and 3 tokens, in an order that gives the 2
+    ranks' shares (every 2nd sequence, as the sampler splits a batch) 36 and 12 tokens, in
+    micro-batches of 32 and 4, and 6 and 6; the whole batch's 2 micro-batches hold 38 and 10."""
+    mytask = importlib.import_module("mytask")
+    inputs, targets = mytask.Counting(32, 300, 16, data_seed=0).split("train").tensors()
+    lengths = (targets != -100).sum(1)
+    long, short, three = ((lengths == n).nonzero().flatten().tolist() for n in (16, 2, 3))
+    order = [long[0], three[0], long[1], three[1], short[0], three[2], short[1], three[3]]
+    return inputs[order], targets[order]
+
+
+@pytest.mark.unit
+def test_a_masked_loss_is_the_mean_over_the_global_batchs_tokens(fork):
+    """Each share's loss sum divided by (global count / world size), its micro-batches'
+    gradients added and the 2 ranks' averaged as DDP does, is the gradient of the mean over the
+    whole batch's unmasked tokens; the mean of the ranks' own means is not. train_step itself,
+    in one process over 2 micro-batches of uneven counts, gives that same gradient."""
+    mytask = importlib.import_module("mytask")
+    task, world = mytask.NextToken(), 2
+    inputs, targets = next_token_batch()
+    torch.manual_seed(0)
+    model = mytask.TokenMLP(32, 16)
+
+    def gradients(module):
+        return torch.cat([p.grad.flatten() for p in module.parameters()])
+
+    whole = copy.deepcopy(model)
+    F.cross_entropy(whole(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+    expected = gradients(whole)
+
+    shares = [
+        list(zip(inputs[r::world].tensor_split(2), targets[r::world].tensor_split(2), strict=True))
+        for r in range(world)
+    ]
+    counts = [[int(task.count(x, y)) for x, y in share] for share in shares]
+    assert counts == [[32, 4], [6, 6]]
+    per_rank = sum(map(sum, counts)) / world
+
+    def averaged_over_ranks(divisor) -> torch.Tensor:
+        ranks = []
+        for r, share in enumerate(shares):
+            replica = copy.deepcopy(model)
+            for x, y in share:
+                (task.loss(replica(x), x, y) / divisor(r)).backward()  # the micro-batches add
+            ranks.append(gradients(replica))
+        return torch.stack(ranks).mean(0)  # DDP's all-reduce: the ranks' average
+
+    torch.testing.assert_close(averaged_over_ranks(lambda r: per_rank), expected)
+    means_of_ranks = averaged_over_ranks(lambda r: sum(counts[r]))
+    # 39% off here: the 12 tokens of rank 1 weigh as much as the 36 of rank 0.
+    assert (means_of_ranks - expected).norm() > 0.1 * expected.norm()
+
+    engine = copy.deepcopy(model)
+    parts = Parts(
+        engine,
+        torch.optim.SGD(engine.parameters(), lr=0.0),
+        None,
+        torch.amp.GradScaler("cpu", enabled=False),
+    )
+    micro = [
+        int(task.count(x, y))
+        for x, y in zip(inputs.tensor_split(2), targets.tensor_split(2), strict=True)
+    ]
+    assert micro == [38, 10]
+    loss, _ = train_step(
+        parts, task, inputs, targets, len(inputs), Process(), Trainer(accumulate_grad_batches=2)
+    )
+    torch.testing.assert_close(gradients(engine), expected)
+    mean = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, mean.detach())
+
+
+@pytest.mark.unit
+def test_evaluation_is_exact_for_any_batch_size(fork):
+    """src.training.evaluate on the fork's real Data: the same metrics for evaluation batches of
+    7, 64 and 1000 sequences (the loss to EVAL_LOSS_ATOL, float64 sums of float32 per-token
+    losses taken in another order; the counts exactly), equal to the whole split's in one
+    forward, and 2 ranks' shares of the split count every token once between them."""
+    mytask = importlib.import_module("mytask")
+    task = mytask.NextToken()
+    found = {}
+    for size in (7, 64, 1000):
+        cfg = compose_with_fork(
+            fork,
+            "experiment=counting",
+            "data.count=150",
+            f"data.val_size={VAL_SIZE}",
+            f"data.test_batch_size={size}",
+        )
+        _, data, model = start_of_run(cfg)
+        found[size] = {
+            split: evaluate(model, task, data, split, Process()) for split in ("val", "test")
+        }
+    reference = found[1000]
+    for size, metrics in found.items():
+        for split, values in metrics.items():
+            ref = reference[split]
+            assert values[f"{split}/correct"] == ref[f"{split}/correct"], size
+            assert values[f"{split}/acc"] == ref[f"{split}/acc"], size
+            loss = f"{split}/loss"
+            assert math.isclose(values[loss], ref[loss], rel_tol=0, abs_tol=EVAL_LOSS_ATOL), size
+
+    inputs, targets = data.val
+    with torch.no_grad():
+        outputs = model(inputs)
+    tokens = targets != -100
+    mean = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert math.isclose(reference["val"]["val/loss"], mean.item(), rel_tol=1e-6)
+    correct = int(((outputs.argmax(-1) == targets) & tokens).sum())
+    assert reference["val"]["val/correct"] == correct
+    assert reference["val"]["val/acc"] == correct / int(tokens.sum())
+
+    shares = []
+    for rank in range(2):
+        data.setup(Process(rank=rank, world_size=2))
+        shares.append(evaluate(model, task, data, "val", Process(rank=rank, world_size=2)))
+    assert sum(s["val/correct"] for s in shares) == correct
+    assert all(0 < s["val/correct"] < correct for s in shares), shares
+
+
+# Each mistake a fork can make, as the config says it; the sentence that stops it.
+MISTAKES_REFUSED = {
+    "a loss that is not a scalar": (
+        ["experiment=counting", "task._target_=mistakes.PerToken"],
+        r"^The task's loss of a batch is \(32,\), not a scalar: return the sum over the batch's "
+        r"terms \(reduction='sum'\); the engine divides it by the global count\.$",
+    ),
+    "a monitor the task does not return": (
+        ["experiment=counting", "checkpoint.monitor=val/f1"],
+        r"^checkpoint.monitor=val/f1 is not a metric this task returns: use val/loss or val/acc "
+        r"\(and checkpoint.mode max where higher is better, min where lower is\)\.$",
+    ),
+    "a task without sums and metrics": (
+        ["experiment=counting", "task._target_=mistakes.Unfinished"],
+        r"^task=mistakes.Unfinished has no sums, metrics: a task needs count, loss, sums and "
+        r"metrics \(see src/tasks.py\)\.$",
+    ),
+    "classification of float targets": (
+        ["experiment=counting", "task=classification", "data.dataset=mistakes.FloatCounting"],
+        r"^task=classification takes class numbers as targets, and the data's are torch.float32: "
+        r"for real-valued targets use task=regression \(or your own\)\.$",
+    ),
+    "targets the fork's own check refuses": (
+        ["task=next_token", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^task=NextToken takes N×T token targets and N×T×V scores: the targets are torch.int64 "
+        r"\(2,\), the outputs \(2, 10\)\.$",
+    ),
+    "a model that cannot take the samples": (
+        ["model.image_size=32", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^model=src.models.MLP cannot take the data's samples: a batch of \(2, 1, 28, 28\) "
+        r"torch.float32 inputs stopped it with: mat1 and mat2 shapes cannot be multiplied "
+        r"\(2x784 and 1024x512\)\. Give the model the data's shape ",
+    ),
+    "label smoothing of 2": (
+        ["task.label_smoothing=2"],
+        r"^task.label_smoothing=2 is not allowed: use 0 \(none\) up to below 1, e.g. 0.1\.$",
+    ),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mistake", MISTAKES_REFUSED)
+def test_each_mistake_stops_before_training_with_one_sentence(mistake, fork, tiny_data):
+    """Composed by Hydra (the fork's conf/ on the search path), the run's first steps stop with
+    the one sentence (a UserError, which Hydra prints alone) before any training."""
+    overrides, message = MISTAKES_REFUSED[mistake]
+    cfg = compose_with_fork(fork, *(o.format(tiny_data=tiny_data) for o in overrides))
+    with pytest.raises(UserError, match=message) as refused:
+        start_of_run(cfg)
+    assert "\n" not in str(refused.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worked fork, trained for real from the page's commands
+
+# What makes the page's runs small: 250 sequences, 50 held out, 200 to train on in global batches
+# of 24 (9 steps an epoch, the last of 8 sequences: 4 on each of 2 ranks); each step logged.
+SMALL = [
+    "logger=none",
+    "plots=false",
+    "device=cpu",
+    "data.count=250",
+    f"data.val_size={VAL_SIZE}",
+    "data.batch_size=24",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def launch(command: str, cwd: Path, *overrides: str):
+    """One of the page's commands, run from `cwd` (which holds fork/) as written, then
+    `overrides`: `VAR=value` before it goes into the environment, torchrun's processes to
+    conftest.train."""
+    words = shlex.split(command)
+    env = {}
+    while "=" in words[0]:
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    nproc = None
+    if words[0] == "torchrun":
+        nproc = int(words.pop(1).removeprefix("--nproc_per_node="))
+    assert words[:2] in (["python", "train.py"], ["torchrun", "train.py"]), command
+    return train([*words[2:], *overrides], cwd, nproc=nproc, env=offline_env(**env))
+
+
+def commands() -> dict[str, str]:
+    """The page's four commands, by what they run."""
+    found = dict(zip(("one", "ddp", "fsdp", "equivalence"), fork_commands(), strict=True))
+    assert found["one"].endswith("experiment=counting") and "torchrun" in found["ddp"]
+    assert found["fsdp"].endswith("parallel=fsdp")
+    assert found["equivalence"].endswith("debug=equivalence")
+    return found
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["train/loss"]) for m in read_metrics(run_dir)[0]]
+
+
+def assert_same_losses(ours: list, reference: list) -> None:
+    """Each step's training loss to float32 rounding: LOSS_ATOL, 4 ulps at the first loss. Here
+    that is ln(32) = 3.47, whose ulp is 2.4e-7; measured at most 4.8e-7 (2 ulps)."""
+    assert [step for step, _ in ours] == [step for step, _ in reference]
+    for (step, loss), (_, expected) in zip(ours, reference, strict=True):
+        assert math.isclose(loss, expected, rel_tol=0, abs_tol=LOSS_ATOL), (step, loss, expected)
+
+
+def assert_same_evaluation(ours: dict, reference: dict) -> None:
+    """One validation or test line: its tokens right exactly, its loss to EVAL_LOSS_ATOL."""
+    split = "val" if "val/loss" in reference else "test"
+    assert ours[f"{split}/correct"] == reference[f"{split}/correct"], (ours, reference)
+    loss = f"{split}/loss"
+    assert math.isclose(ours[loss], reference[loss], rel_tol=0, abs_tol=EVAL_LOSS_ATOL), (
+        ours,
+        reference,
+    )
+
+
+def test_the_worked_fork_trains_the_same_in_every_mode(tmp_path):
+    """The page's fork, from its own blocks and commands: 2 epochs in one process; under 2 DDP
+    processes (torchrun) for 1 epoch, then resumed in one process to 2; under FSDP (2 processes,
+    gloo). Every step's loss, every validation and the test agree, and so do the final weights
+    of the run that changed modes. FSDP's best.pt, evaluated alone in one process
+    (train=false ckpt_path=...), gives the validation and the test the FSDP run logged.
+
+    The ranks' shares hold different numbers of tokens at every step, and the mean of the ranks'
+    means at the first step is not the global mean by far more than LOSS_ATOL: a DDP step that
+    averaged the ranks' means would fail the comparison."""
+    write_fork(tmp_path)
+    run = commands()
+    folder = {name: tmp_path / "outputs" / name for name in ("one", "ddp", "fsdp", "eval")}
+
+    def here(name: str) -> str:
+        return f"hydra.run.dir={folder[name]}"
+
+    ok(launch(run["one"], tmp_path, *SMALL, "trainer.epochs=2", here("one")))
+    ok(launch(run["ddp"], tmp_path, *SMALL, "trainer.epochs=1", here("ddp")))
+    assert "DDP: 2 processes" in (folder["ddp"] / "train.log").read_text()
+    ok(launch(run["one"], tmp_path, *SMALL, "trainer.epochs=2", here("ddp")))  # resume=auto
+    ok(
+        launch(
+            run["fsdp"],
+            tmp_path,
+            *SMALL,
+            "trainer.epochs=2",
+            "parallel.nproc_per_node=2",
+            here("fsdp"),
+        )
+    )
+    best = folder["fsdp"] / "checkpoints" / "best.pt"
+    ok(launch(run["one"], tmp_path, *SMALL, "train=false", f"ckpt_path={best}", here("eval")))
+
+    reference = losses(folder["one"])
+    assert len(reference) == 18
+    _, expected = read_metrics(folder["one"])
+    assert [m.get("epoch") for m in expected] == [1, 2, 2]  # 2 validations, then the test
+    for name in ("ddp", "fsdp"):
+        assert_same_losses(losses(folder[name]), reference)
+        evaluations = read_metrics(folder[name])[1]
+        assert len(evaluations) == len(expected), name
+        for ours, ref in zip(evaluations, expected, strict=True):
+            assert_same_evaluation(ours, ref)
+    weights, ref_weights = (
+        load(folder[n] / "checkpoints" / "last.pt")["model"] for n in ("ddp", "one")
+    )
+    assert list(weights) == list(ref_weights)
+    for key, tensor in ref_weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=0, atol=WEIGHT_ATOL)
+
+    fsdp_evaluations = read_metrics(folder["fsdp"])[1]
+    best_epoch = load(best)["epoch"]
+    (validated,) = [m for m in fsdp_evaluations if "val/loss" in m and m["epoch"] == best_epoch]
+    alone = read_metrics(folder["eval"])[1]
+    assert [("val/loss" in m, "test/loss" in m) for m in alone] == [(True, False), (False, True)]
+    assert_same_evaluation(alone[0], validated)
+    assert_same_evaluation(alone[1], fsdp_evaluations[-1])
+
+    # The data makes the comparison count: uneven shares, and a mean of means far off.
+    counts, sums = first_epoch_by_rank(tmp_path / "fork")
+    assert all(a != b for a, b in zip(*counts, strict=True)), counts
+    tokens = counts[0][0] + counts[1][0]
+    assert math.isclose(reference[0][1], sum(sums) / tokens, rel_tol=0, abs_tol=LOSS_ATOL)
+    means_of_ranks = (sums[0] / counts[0][0] + sums[1] / counts[1][0]) / 2
+    assert abs(means_of_ranks - sum(sums) / tokens) > 100 * LOSS_ATOL  # 2.1e-3 here
+
+
+def first_epoch_by_rank(fork: Path) -> tuple[list[list[int]], list[float]]:
+    """The tokens of each of 2 ranks' shares of the first epoch's batches, for the fork's config
+    as the runs above have it, and each share's loss sum at the first step, from the first
+    weights."""
+    sys.path.insert(0, str(fork))
+    try:
+        settings, data, model = start_of_run(compose_with_fork(fork, "experiment=counting", *SMALL))
+    finally:
+        sys.path.remove(str(fork))
+    task, counts, sums = settings.task, [], []
+    for rank in range(2):
+        data.setup(Process(rank=rank, world_size=2))
+        batches = list(data.train_batches(1))
+        counts.append([int(task.count(x, y)) for x, y, _ in batches])
+        x, y, _ = batches[0]
+        with torch.no_grad():
+            sums.append(task.loss(model(x), x, y).item())
+    return counts, sums
+
+
+def test_debug_equivalence_passes_for_the_worked_fork(tmp_path):
+    """The page's `debug=equivalence` command on the fork: one process, micro-batches and 2 DDP
+    processes train it alike (exit 0, the verdict printed)."""
+    write_fork(tmp_path)
+    result = ok(launch(commands()["equivalence"], tmp_path, *SMALL))
+    assert "Equivalent: every layout trains this config as one process does, within float32 " in (
+        printed(result)
+    )
+
+
+def test_a_mistake_on_the_command_line_stops_with_one_sentence(tmp_path):
+    """The page's first command with a task whose loss is not a sum: exit 1 with the sentence
+    alone, no traceback, before any training and with nothing saved."""
+    write_fork(tmp_path)
+    result = launch(commands()["one"], tmp_path, *SMALL, "task._target_=mistakes.PerToken")
+    assert result.returncode == 1
+    output = printed(result)
+    assert output.count("The task's loss of a batch is (32,), not a scalar: return the sum") == 1
+    assert "Traceback" not in output and "epoch 1" not in output
+    assert not list(tmp_path.rglob("*.pt"))
