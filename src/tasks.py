@@ -28,6 +28,7 @@ input image; a task without it draws no predictions).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 import torch
@@ -194,6 +195,14 @@ def names(task: Task) -> tuple[str, ...] | None:
     return tuple(getattr(task, "names", ()) or ()) or None
 
 
+# What PyTorch says when a layer does not fit its input: mat1 and mat2 shapes cannot be
+# multiplied, expected input[2, 1, 28, 28] to have 3 channels, size mismatch, an embedding's
+# index out of range or float indices, a view's shape invalid for the input's size.
+MISFIT = re.compile(
+    r"shape|size|dimension|channels|expected (\d+D )?input|out of range|scalar type|dtype", re.I
+)
+
+
 def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -> None:
     """Before any training, on two training samples: the model takes the data's samples, and
     the task takes the model's outputs and the data's targets. One sentence where either does
@@ -205,12 +214,15 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
     try:
         with torch.no_grad():
             outputs = model(inputs)
-    except (RuntimeError, IndexError, ValueError) as err:  # shapes, an embedding's size, ...
+    except (RuntimeError, IndexError, ValueError) as err:
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not MISFIT.search(detail):  # a bug in the model: its traceback, the shapes beside it
+            err.add_note(f"(a batch of {tuple(inputs.shape)} {inputs.dtype} inputs, model={name})")
+            raise
         raise UserError(
             f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "
-            f"{inputs.dtype} inputs stopped it with: {detail}. Give the model the data's shape "
-            "(in_channels, image_size, num_classes or input_shape: null takes the data's)."
+            f"{inputs.dtype} inputs stopped it with: {detail}. Give the model the data's shape and "
+            "dtype (in_channels, image_size, num_classes or input_shape: null takes the data's)."
         ) from None
     finally:
         model.train(training)
