@@ -27,6 +27,7 @@ from src.training import (
     Fitted,
     build_scheduler,
     check_accumulation,
+    check_count,
     compiled,
     configure_kernels,
     evaluate_and_log,
@@ -69,6 +70,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             data.setup(process)
             if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
                 drift.check_first_batch(data, process)
+                check_count(task, data, process)  # and it has something to learn from
 
             model = build_model(cfg, trainer, process, weights, data, task)
             if cfg.train:

@@ -324,6 +324,18 @@ def global_count(counts: list[int | torch.Tensor], process: Process) -> int | to
     return total
 
 
+def check_count(task: Task, data: Data, process: Process) -> None:
+    """Before training: the task counts loss terms in the first global batch (a count that is
+    always 0, every target masked, would make each step's mean 0 / 0). Later batches with none
+    stop the run at the next check of the losses, as any non-finite loss does."""
+    inputs, targets, _ = next(data.train_batches(1))
+    if int(global_count([task.count(inputs, targets)], process)) == 0:  # int: refused in there
+        raise UserError(
+            "The task counts no loss terms in the first training batch (every target masked?): "
+            "the loss's mean over it is undefined. Check the task's count and the data."
+        )
+
+
 def laid_out(inputs: torch.Tensor, trainer: Trainer | None) -> torch.Tensor:
     """Images in the memory layout `trainer.channels_last` asks; other inputs as they are."""
     if trainer is None or inputs.ndim != 4:

@@ -40,7 +40,7 @@ from src.errors import UserError
 from src.run import build_model
 from src.settings import Trainer, read_settings
 from src.tasks import Classification, Regression
-from src.training import evaluate, float64_sum, train_step
+from src.training import check_count, evaluate, float64_sum, train_step
 
 PAGE = REPO / "docs" / "tasks.md"
 
@@ -60,6 +60,13 @@ class PerToken(mytask.NextToken):
         return F.cross_entropy(
             outputs.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none"
         )
+
+
+class NothingCounted(mytask.NextToken):
+    """Counts the targets of a label no token has: none, in every batch."""
+
+    def count(self, inputs, targets):
+        return (targets == -1).sum()
 
 
 class Unfinished:
@@ -117,10 +124,12 @@ def compose_with_fork(fork: Path, *overrides: str):
 
 def start_of_run(cfg):
     """What src/run.py does before training, in this process: the settings (the task built and
-    checked against the monitor), the data, and the model with its preflight on two samples."""
+    checked against the monitor), the data and the first batch's count of loss terms, and the
+    model with its preflight on two samples."""
     settings = read_settings(cfg)
     data = instantiate(cfg.data)
     data.setup(Process())
+    check_count(settings.task, data, Process())
     return settings, data, build_model(cfg, settings.trainer, Process(), None, data, settings.task)
 
 
@@ -335,6 +344,11 @@ MISTAKES_REFUSED = {
         ["experiment=counting", "checkpoint.monitor=val/f1"],
         r"^checkpoint.monitor=val/f1 is not a metric this task returns: use val/loss or val/acc "
         r"\(and checkpoint.mode max where higher is better, min where lower is\)\.$",
+    ),
+    "a count that is always 0": (
+        ["experiment=counting", "task._target_=mistakes.NothingCounted"],
+        r"^The task counts no loss terms in the first training batch \(every target masked\?\): "
+        r"the loss's mean over it is undefined\. Check the task's count and the data\.$",
     ),
     "a task without sums and metrics": (
         ["experiment=counting", "task._target_=mistakes.Unfinished"],
