@@ -40,6 +40,8 @@ from src.errors import UserError
 
 
 class Task(Protocol):
+    """The contract above, as a type: what the engine calls on `settings.task`."""
+
     names: tuple[str, ...]
 
     def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int | torch.Tensor: ...
