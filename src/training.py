@@ -317,10 +317,7 @@ def global_count(counts: list[int | torch.Tensor], process: Process) -> int | to
             total = torch.full((), total, dtype=torch.int64, device=process.device)
         dist.all_reduce(total)
     elif isinstance(total, int) and total == 0:
-        raise UserError(
-            "The task's count of loss terms in a training batch is 0 (every target masked?): "
-            "the loss's mean over it is undefined. Check the task's count and the data."
-        )
+        raise nothing_counted("a training batch")
     return total
 
 
@@ -330,10 +327,15 @@ def check_count(task: Task, data: Data, process: Process) -> None:
     stop the run at the next check of the losses, as any non-finite loss does."""
     inputs, targets, _ = next(data.train_batches(1))
     if int(global_count([task.count(inputs, targets)], process)) == 0:  # int: refused in there
-        raise UserError(
-            "The task counts no loss terms in the first training batch (every target masked?): "
-            "the loss's mean over it is undefined. Check the task's count and the data."
-        )
+        raise nothing_counted("the first training batch")
+
+
+def nothing_counted(batch: str) -> UserError:
+    """The one sentence for a `batch` in which the task counts no loss terms."""
+    return UserError(
+        f"The task counts no loss terms in {batch} (every target masked?): the loss's mean over "
+        "it is undefined. Check the task's count and the data."
+    )
 
 
 def laid_out(inputs: torch.Tensor, trainer: Trainer | None) -> torch.Tensor:

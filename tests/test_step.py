@@ -92,6 +92,19 @@ def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
 
 
 @pytest.mark.unit
+def test_a_batch_the_task_counts_nothing_in_stops_with_one_sentence():
+    """In one process the count is known on the host: a step over none stops before its 0 / 0."""
+
+    class NothingCounted(Classification):
+        def count(self, inputs, targets):
+            return 0
+
+    images, labels = batch(16)
+    with pytest.raises(UserError, match=r"^The task counts no loss terms in a training batch "):
+        train_step(parts(), NothingCounted(), images, labels, 16, Process(), Trainer())
+
+
+@pytest.mark.unit
 def test_the_norm_is_measured_without_clipping_only_when_asked():
     images, labels = batch(16)
     assert train_step(parts(), CLASSIFY, images, labels, 16, Process(), Trainer())[1] is None
