@@ -8,7 +8,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import CONF, REPO, compose_config, ok, read_metrics, run, run_dirs, train
+from conftest import (
+    CONF,
+    REPO,
+    compose_config,
+    ok,
+    read_metrics,
+    readme_commands,
+    run,
+    run_dirs,
+    train,
+)
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -359,13 +369,20 @@ def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
     assert any(n.startswith("ProfilerStep#") for n in names) and "aten::linear" in names
 
 
+# The README's two searches (tests/test_readme.py leaves them to this test), and one that
+# minimises.
+SEARCHES = [c.split()[2:] for c in readme_commands() if "hparams_search=optuna" in c]
+assert len(SEARCHES) == 2, SEARCHES
+
+
 @pytest.mark.parametrize(
     ("overrides", "best_of"),
     [
-        pytest.param([], max, marks=pytest.mark.slow),
-        pytest.param(["parallel=ddp", "parallel.nproc_per_node=2"], max, marks=pytest.mark.slow),
+        *(pytest.param(search, max, marks=pytest.mark.slow) for search in SEARCHES),
         pytest.param(
-            ["checkpoint.monitor=val/loss", "checkpoint.mode=min"], min, marks=pytest.mark.slow
+            ["-m", "hparams_search=optuna", "checkpoint.monitor=val/loss", "checkpoint.mode=min"],
+            min,
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -377,13 +394,11 @@ def test_optuna_search_optimises_the_monitor(tmp_path, tiny_data, overrides, bes
     monitor = "val/loss" if best_of is min else "val/acc"
     result = train(
         [
-            "-m",
-            "hparams_search=optuna",
+            *overrides,
             "hydra.sweeper.n_trials=2",
             f"data.root={tiny_data}",
             "logger=none",
             "trainer.max_steps=3",
-            *overrides,
         ],
         tmp_path,
     )

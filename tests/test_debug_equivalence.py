@@ -32,8 +32,9 @@ def user_model(name: str) -> str:
 )
 def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
     """Four layouts in the table, each within float32 rounding, every evaluation count the same
-    (the reference's out of the split's 50 and 100 images). The MLP's is the README's command,
-    `python train.py debug=equivalence`, with its default 20 steps."""
+    (the reference's out of the split's 50 and 100 images). These are the README's commands,
+    `python train.py debug=equivalence` (the MLP, with its default 20 steps) and
+    `python train.py debug=equivalence model=cnn`."""
     overrides = [] if model == "mlp" else [f"model={model}"]  # the MLP is the default model
     output = printed(ok(check(overrides, tmp_path, tiny_data, steps=steps)))
     assert f"Training {steps or 20} steps in each layout, dropout off, on the CPU (gloo)" in output

@@ -65,7 +65,7 @@ MODES = {
     "fsdp2": (["parallel=fsdp"], 2),
     "fsdp3": (["parallel=fsdp"], 3),
     "fsdp4": (["parallel=fsdp"], 4),
-    "fsdp2-self-launched": (["parallel=fsdp", "parallel.nproc_per_node=2"], None),
+    "fsdp-self-launched": (["parallel=fsdp"], None),  # 2 processes on a machine without GPUs
     "fsdp2-accumulate2": (["parallel=fsdp", "trainer.accumulate_grad_batches=2"], 2),
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
     "fsdp2-kept-gathered": (["parallel=fsdp", "parallel.reshard_after_forward=false"], 2),
@@ -76,6 +76,14 @@ SLOW = ("ddp4-self-launched", "fsdp4", "fsdp2-root-only", "fsdp2-kept-gathered")
 COMPARED = [
     pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODES if m != "none"
 ]
+
+
+def command(mode: str) -> str:
+    """The command line of a mode, as the README writes it (the recipe left out):
+    tests/test_readme.py leaves the README's commands that are modes here to these runs."""
+    overrides, nproc = MODES[mode]
+    launcher = f"torchrun --nproc_per_node={nproc} train.py" if nproc else "python train.py"
+    return " ".join([launcher, *overrides])
 
 
 class Runs(dict):

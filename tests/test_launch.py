@@ -18,6 +18,7 @@ from conftest import (
     offline_env,
     ok,
     read_metrics,
+    readme_commands,
     run,
     run_dirs,
     torchrun_through_shell,
@@ -25,6 +26,8 @@ from conftest import (
     wandb_summary,
 )
 from hydra import compose, initialize_config_dir
+
+TESTS = str(REPO / "tests")  # user_models.py's folder
 
 
 def processes_in(folder: Path) -> list[int]:
@@ -43,19 +46,29 @@ def printed(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
+def readme_sweep(start: str) -> list[str]:
+    """The overrides of the README's sweep command that starts with `start` (tests/test_readme.py
+    leaves it to the test here)."""
+    (command,) = [c for c in readme_commands() if c.startswith(start)]
+    return command.split()[2:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data, mode):
-    env = offline_env(HOME=str(tmp_path / "home"))
+    """The README's sweep of DDP jobs (and the same under FSDP). Each job starts its own processes,
+    in the job's environment of the moment: a callback sets WANDB_MODE=disabled for the second
+    job, whose workers then log nothing to wandb."""
+    sweep = readme_sweep("python train.py -m parallel=ddp ")
+    assert "optimizer.lr=0.1,0.01" in sweep
+    env = offline_env(HOME=str(tmp_path / "home"), PYTHONPATH=TESTS)
     result = train(
         [
-            "-m",
+            *(w.replace("parallel=ddp", f"parallel={mode}") for w in sweep),
             f"data.root={tiny_data}",
-            f"parallel={mode}",
-            "parallel.nproc_per_node=2",
             "trainer.max_steps=3",
             "trainer.log_every_n_steps=1",
-            "optimizer.lr=0.1,0.01",
+            "+hydra.callbacks.mode._target_=user_models.WandbModeByJob",
         ],
         tmp_path,
         env=env,
@@ -68,8 +81,9 @@ def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data, mode):
         steps, evals = read_metrics(job)
         assert [m["lr"] for m in steps] == [lr] * 3 and evals
         assert f"{mode.upper()}: 2 processes" in (job / "train.log").read_text()
-        assert len(list(job.glob("wandb/offline-run-*"))) == 1
-        assert wandb_summary(job)["state"] == "finished"
+    assert len(list(jobs[0].glob("wandb/offline-run-*"))) == 1
+    assert wandb_summary(jobs[0])["state"] == "finished"
+    assert not list(jobs[1].glob("wandb/offline-run-*")), "WANDB_MODE=disabled in job 1"
     assert processes_in(tmp_path) == []
 
 
@@ -273,20 +287,13 @@ def test_slurm_launcher_config_composes():
 @pytest.mark.slow
 @pytest.mark.extra("slurm")
 def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
-    """The SLURM launcher's machinery without SLURM: submitit's local executor runs each job
-    (a pickled Hydra job in a new process), which starts its own 2 DDP processes."""
+    """The README's command for the SLURM launcher's machinery without SLURM: submitit's local
+    executor runs each job (a pickled Hydra job in a new process), which starts its own 2 DDP
+    processes."""
+    sweep = readme_sweep("python train.py -m hydra/launcher=submitit_local ")
+    assert {"parallel=ddp", "parallel.nproc_per_node=2", "optimizer.lr=0.1,0.01"} <= set(sweep)
     result = train(
-        [
-            "-m",
-            "hydra/launcher=submitit_local",
-            f"data.root={tiny_data}",
-            "logger=none",
-            "parallel=ddp",
-            "parallel.nproc_per_node=2",
-            "trainer.max_steps=2",
-            "optimizer.lr=0.1,0.01",
-        ],
-        tmp_path,
+        [*sweep, f"data.root={tiny_data}", "logger=none", "trainer.max_steps=2"], tmp_path
     )
     ok(result)
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))

@@ -23,10 +23,11 @@ from conftest import (
     write_image_folder,
 )
 from hydra import compose, initialize_config_dir
+from test_equivalence import MODES as EQUIVALENCE_MODES
+from test_equivalence import command as equivalence_command
 
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
-SLOW_COMMANDS = ("parallel.nproc_per_node", "hparams_search", "_fast", "--nproc_per_node=4",
-                 "torch.distributed.launch", "debug=equivalence model=cnn")  # fmt: skip
+SLOW_COMMANDS = ("_fast", "torch.distributed.launch")
 SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python bench/run.py",
           "python bench/write_image_folder.py", "python bench/scaling.py",
           "python bench/memory.py", "python bench/startup.py")  # fmt: skip
@@ -75,28 +76,32 @@ def run_readme_command(command: str, tmp_path, tiny_data) -> None:
 SEQUENCE = [c for c in readme_commands() if "my-run" in c]
 MACHINES = [c for c in readme_commands() if "$HEAD_NODE" in c]  # one command per machine
 SLURM = [c for c in readme_commands() if "hydra/launcher=slurm" in c]  # needs a SLURM cluster
-# tests/test_debug_equivalence.py runs this one as written and reads its table.
-EQUIVALENCE = ["python train.py debug=equivalence"]
-SPECIAL = SEQUENCE + MACHINES + SLURM + EQUIVALENCE
-
-
-def marks(command: str) -> list[pytest.MarkDecorator]:
-    """slow for the commands SLOW_COMMANDS names; the Optuna extra for its search."""
-    found = []
-    if any(s in command for s in SLOW_COMMANDS):
-        found.append(pytest.mark.slow)
-    if "hparams_search=optuna" in command:
-        found.append(pytest.mark.extra("optuna"))
-    return found
+# Commands that the tests of what they do run as written, on the tiny data, and check in depth:
+# - tests/test_debug_equivalence.py reads these tables;
+EQUIVALENCE = ["python train.py debug=equivalence", "python train.py debug=equivalence model=cnn"]
+# - tests/test_equivalence.py trains each of its modes (as a command: its `command`) with its
+#   recipe added, and compares their sums (the one-process modes, run in the test's process,
+#   cost little and are run here too);
+LAUNCHED = {equivalence_command(mode) for mode, (overrides, nproc) in EQUIVALENCE_MODES.items()
+            if nproc or {"parallel=ddp", "parallel=fsdp"} & set(overrides)}  # fmt: skip
+MODES = [c for c in readme_commands() if c in LAUNCHED]
+# - tests/test_launch.py runs these sweeps' jobs, tests/test_config.py these searches.
+SWEEPS = [
+    c
+    for c in readme_commands()
+    if c.startswith(("python train.py -m parallel=ddp ", "python train.py -m hydra/launcher="))
+    and "slurm" not in c
+    or "hparams_search=optuna" in c
+]
+SPECIAL = SEQUENCE + MACHINES + SLURM + EQUIVALENCE + MODES + SWEEPS
 
 
 @pytest.mark.parametrize(
     "command",
     [
-        # Self-launched DDP, 4 processes, the legacy launcher, searches and compiling are slow
-        # here; other tests cover them too.
-        pytest.param(c, marks=marks(c))
-        for c in readme_commands()
+        # The legacy launcher and compiling are slow here; other tests cover them too.
+        pytest.param(c, marks=[pytest.mark.slow] if any(s in c for s in SLOW_COMMANDS) else [])
+        for c in dict.fromkeys(readme_commands())  # each once
         if c.startswith(RUNS) and c not in SPECIAL
     ],
 )

@@ -54,3 +54,13 @@ class Broken(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a bug in the model's forward")
+
+
+class WandbModeByJob:
+    """A Hydra callback (`hydra.callbacks`) that sets each job's WANDB_MODE, as a user's own
+    callback might set any variable: offline for job 0, disabled for job 1."""
+
+    def on_job_start(self, config, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        os.environ["WANDB_MODE"] = ["offline", "disabled"][HydraConfig.get().job.num]
