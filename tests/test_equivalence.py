@@ -24,6 +24,7 @@ from conftest import (
     offline_env,
     ok,
     read_metrics,
+    readme_commands,
     run_dirs,
     train,
 )
@@ -231,15 +232,18 @@ def free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data, mode):
-    """Two torchrun agents, as on two machines (here both on 127.0.0.1), 2 processes each, meet
-    through torchrun's c10d rendezvous: 4 ranks, one run folder, one wandb run, and the same
-    training as one process (a rank that did not train its share would change the losses)."""
+    """The README's command for each of two machines, run by two torchrun agents here (both on
+    127.0.0.1, HEAD_NODE), 2 processes each (under FSDP too): they meet through torchrun's c10d
+    rendezvous, 4 ranks, one run folder, one wandb run, and the same training as one process (a
+    rank that did not train its share would change the losses)."""
     env = offline_env(HOME=str(tmp_path / "home"), WANDB_MODE="offline")
-    endpoint = f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tmp_path.name}",
-               str(REPO / "train.py"), f"data.root={tiny_data}", *RECIPE, "logger=wandb",
-               f"parallel={mode}", f"paths.log_dir={tmp_path / 'outputs'}"]  # fmt: skip
+    (machine,) = [c for c in readme_commands() if "$HEAD_NODE" in c]
+    words = machine.replace("$HEAD_NODE:29500", f"127.0.0.1:{free_port()}").split()
+    assert words[0] == "torchrun" and "--nnodes=2" in words and words[-1] == "parallel=ddp"
+    words = [str(REPO / "train.py") if w == "train.py" else w for w in words[1:-1]]
+    command = [sys.executable, "-m", "torch.distributed.run", *words, f"parallel={mode}",
+               f"data.root={tiny_data}", *RECIPE, "logger=wandb",
+               f"paths.log_dir={tmp_path / 'outputs'}"]  # fmt: skip
     agents = [
         subprocess.Popen(
             command,
