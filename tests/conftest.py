@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = str(REPO / "tests")  # on PYTHONPATH, runs import tests/user_models.py's models
 CONF = REPO / "conf"
 README = (REPO / "README.md").read_text()
 # Where commands are shown: the README, and the pages its depth moved to.
@@ -298,6 +299,12 @@ def readme_commands() -> list[str]:
             line = line.split(" #")[0].strip()
             commands += [part.strip() for part in line.split("&&") if part.strip()]
     return commands
+
+
+def readme_command(start: str) -> str:
+    """The one command of the README (or its pages) that starts with `start`."""
+    (command,) = [c for c in readme_commands() if c.startswith(start)]
+    return command
 
 
 def wandb_summary(run_dir: Path) -> dict:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, defaults_for_tests, offline_env, readme_commands
+from conftest import REPO, defaults_for_tests, offline_env, readme_command
 
 
 def benchmark(options: list[str], tmp_path, data, timeout: float = 600) -> list[dict]:
@@ -44,7 +44,7 @@ def test_the_readme_benchmark_command_runs_every_row_and_the_drift_guard_rows(tm
     (bench/README.md's `--repeats 1`: the table takes the fastest of however many) and with
     --drift-guard: its DDP rows without the guard and with it at every step, and the cost of one
     check worked out from them."""
-    (command,) = [c for c in readme_commands() if c.startswith("python bench/run.py")]
+    command = readme_command("python bench/run.py")
     options = [*command.split()[2:], "--repeats=1", "--drift-guard"]
     rows = benchmark(options, tmp_path, tiny_data, timeout=900)
     (out,) = tmp_path.iterdir()
@@ -66,7 +66,7 @@ def test_the_readme_benchmark_command_runs_every_row_and_the_drift_guard_rows(tm
 def test_memory_report_shows_fsdp_sharding_the_training_state(tmp_path, tiny_data):
     """The README's bench/memory.py, at 2 processes: DDP holds the whole of the weights,
     gradients and Adam's moments on each rank, FSDP half of them (up to uneven shards' padding)."""
-    (readme,) = [c for c in readme_commands() if c.startswith("python bench/memory.py")]
+    readme = readme_command("python bench/memory.py")
     command = [sys.executable, *readme.split()[1:], "--hidden=64", "--processes", "2",
                "--steps=2", f"--root={tiny_data}", f"--out={tmp_path}"]  # fmt: skip
     result = subprocess.run(
@@ -90,7 +90,7 @@ def test_startup_report_times_the_three_commands(tmp_path, tiny_data):
     """bench/README.md's bench/startup.py, one round on the tiny data: each command timed, and
     debug=fast's time split between torch's imports and the template's own start-up. The figures
     themselves are not checked."""
-    (command,) = [c for c in readme_commands() if c.startswith("python bench/startup.py")]
+    command = readme_command("python bench/startup.py")
     command = [sys.executable, *command.split()[1:], "--repeats=1", f"--root={tiny_data}",
                f"--out={tmp_path}", *defaults_for_tests([])]  # fmt: skip
     result = subprocess.run(

@@ -3,13 +3,12 @@ config as one process does; exit 1, naming the likely cause, where they do not; 
 what it cannot check."""
 
 import pytest
-from conftest import compose_config, offline_env, ok, printed, train
+from conftest import TESTS, compose_config, offline_env, ok, printed, train
 
 from src import equivalence
 from src.errors import UserError
 from src.settings import read_settings
 
-TESTS = str(__import__("conftest").__file__.rsplit("/", 1)[0])  # user_models.py's folder
 LAYOUTS = ["1 process (reference)", "1 process × 2 micro-batches", "2 DDP processes",
            "2 DDP processes × 2 micro-batches"]  # fmt: skip
 

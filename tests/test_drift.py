@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import (
+    TESTS,
     make_dataset,
     offline_env,
     ok,
@@ -18,8 +19,6 @@ from conftest import (
 )
 
 from src.drift import fingerprint
-
-TESTS = str(__import__("conftest").__file__.rsplit("/", 1)[0])  # user_models.py's folder
 
 
 def user_model(name: str) -> list[str]:

@@ -24,7 +24,7 @@ from conftest import (
     offline_env,
     ok,
     read_metrics,
-    readme_commands,
+    readme_command,
     run_dirs,
     train,
 )
@@ -237,7 +237,7 @@ def test_two_machines_on_loopback_train_the_same_run(runs, tmp_path, tiny_data, 
     rendezvous, 4 ranks, one run folder, one wandb run, and the same training as one process (a
     rank that did not train its share would change the losses)."""
     env = offline_env(HOME=str(tmp_path / "home"), WANDB_MODE="offline")
-    (machine,) = [c for c in readme_commands() if "$HEAD_NODE" in c]
+    machine = readme_command("torchrun --nnodes=2 ")
     words = machine.replace("$HEAD_NODE:29500", f"127.0.0.1:{free_port()}").split()
     assert words[0] == "torchrun" and "--nnodes=2" in words and words[-1] == "parallel=ddp"
     words = [str(REPO / "train.py") if w == "train.py" else w for w in words[1:-1]]

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import (
     REPO,
+    TESTS,
     defaults_for_tests,
     offline_env,
     ok,
     read_metrics,
-    readme_commands,
+    readme_command,
     run,
     run_dirs,
     torchrun_through_shell,
@@ -26,8 +27,6 @@ from conftest import (
     wandb_summary,
 )
 from hydra import compose, initialize_config_dir
-
-TESTS = str(REPO / "tests")  # user_models.py's folder
 
 
 def processes_in(folder: Path) -> list[int]:
@@ -46,20 +45,13 @@ def printed(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
-def readme_sweep(start: str) -> list[str]:
-    """The overrides of the README's sweep command that starts with `start` (tests/test_readme.py
-    leaves it to the test here)."""
-    (command,) = [c for c in readme_commands() if c.startswith(start)]
-    return command.split()[2:]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_multirun_runs_each_job_as_its_own_ddp_group(tmp_path, tiny_data, mode):
-    """The README's sweep of DDP jobs (and the same under FSDP). Each job starts its own processes,
-    in the job's environment of the moment: a callback sets WANDB_MODE=disabled for the second
-    job, whose workers then log nothing to wandb."""
-    sweep = readme_sweep("python train.py -m parallel=ddp ")
+    """The README's sweep of DDP jobs (and the same under FSDP), which test_readme leaves here.
+    Each job starts its own processes, in the job's environment of the moment: a callback sets
+    WANDB_MODE=disabled for the second job, whose workers then log nothing to wandb."""
+    sweep = readme_command("python train.py -m parallel=ddp ").split()[2:]
     assert "optimizer.lr=0.1,0.01" in sweep
     env = offline_env(HOME=str(tmp_path / "home"), PYTHONPATH=TESTS)
     result = train(
@@ -290,7 +282,7 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
     """The README's command for the SLURM launcher's machinery without SLURM: submitit's local
     executor runs each job (a pickled Hydra job in a new process), which starts its own 2 DDP
     processes."""
-    sweep = readme_sweep("python train.py -m hydra/launcher=submitit_local ")
+    sweep = readme_command("python train.py -m hydra/launcher=submitit_local ").split()[2:]
     assert {"parallel=ddp", "parallel.nproc_per_node=2", "optimizer.lr=0.1,0.01"} <= set(sweep)
     result = train(
         [*sweep, f"data.root={tiny_data}", "logger=none", "trainer.max_steps=2"], tmp_path

@@ -83,7 +83,6 @@ SWEEPS = [
     c
     for c in readme_commands()
     if c.startswith(("python train.py -m parallel=ddp ", "python train.py -m hydra/launcher="))
-    and "slurm" not in c
     or "hparams_search=optuna" in c
 ]
 SPECIAL = SEQUENCE + MACHINES + SLURM + EQUIVALENCE + MODES + SWEEPS

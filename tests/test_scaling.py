@@ -7,14 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, offline_env, readme_commands
+from conftest import REPO, offline_env, readme_command
 
 
 @pytest.mark.slow
 def test_scaling_report_measures_every_row(tmp_path, tiny_data):
     """The README's command, with one and two processes (gloo) for a few steps: the bucket and
     accumulation rows at two, each DDP row also with the no-op communication hook."""
-    (readme,) = [c for c in readme_commands() if c.startswith("python bench/scaling.py")]
+    readme = readme_command("python bench/scaling.py")
     command = [sys.executable, *readme.split()[1:], "--processes", "1", "2", "--steps=3",
                "--repeats=1", f"--root={tiny_data}", f"--out={tmp_path}"]  # fmt: skip
     result = subprocess.run(
