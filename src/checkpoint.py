@@ -528,6 +528,7 @@ def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str,
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
     check_architecture(model, path, {key: tuple(t.shape) for key, t in state_dict.items()})
+    note_conversion(model, path, {key: t.dtype for key, t in state_dict.items()})
     if not fsdp.is_sharded(model):
         model.load_state_dict(state_dict)
     return state_dict
@@ -537,6 +538,7 @@ def load_shards(model: nn.Module, path: Path, shards: str) -> None:
     """Load the model's weights from the `shards` folder that the checkpoint at `path` names
     into the model FSDP sharded (every rank calls it, and reads its own parts)."""
     check_architecture(model, path, fsdp.saved_shapes(Path(shards)))
+    note_conversion(model, path, fsdp.saved_dtypes(Path(shards)))
     fsdp.load_sharded(model, Path(shards))
 
 
@@ -560,6 +562,19 @@ def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int,
             f"{path} holds weights of another architecture than {name} ({shown}). "
             "Choose the model= (and its sizes) it was saved with."
         )
+
+
+def note_conversion(model: nn.Module, path: Path, saved: dict[str, torch.dtype]) -> None:
+    """One line where the file's float weights (`saved` dtypes) are of another dtype than the
+    model's: a float32 checkpoint continued in float64 (trainer.precision=64), or the other way.
+    Loading converts them, and the optimizer's state with them."""
+    ours = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+    theirs = {dtype for dtype in saved.values() if dtype.is_floating_point}
+    if theirs and ours and theirs != ours:
+        file, here = (
+            ", ".join(sorted(str(d).removeprefix("torch.") for d in s)) for s in (theirs, ours)
+        )
+        log.info("Weights converted on load: %s in %s, %s in this run", file, path, here)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

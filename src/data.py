@@ -6,11 +6,12 @@ and `val` (`data.val_size` samples held out of the training split by a draw that
 `data.split_seed` alone), and `test`, evaluated once at the end.
 
 Inputs and targets may be of any shape and dtype: float features, int64 tokens, a float image as
-a target. Each keeps its own dtype (never cast), through both loaders, the empty batches and
-`decode`. Images, the inputs that are uint8 C×H×W, also go through the image pipeline: uint8 →
-float and normalisation by `data.mean`/`data.std` (computed where null), and `data.augment`;
-any other input reaches the model as the dataset gave it (a float C×H×W input too: it is not
-divided by 255).
+a target. Each keeps its own dtype through both loaders, the empty batches and `decode`; only
+where a batch reaches the model (`normalise`) are float inputs cast to the float dtype the run
+trains in (float32, float64 with trainer.precision=64). Images, the inputs that are uint8
+C×H×W, also go through the image pipeline: uint8 → float and normalisation by
+`data.mean`/`data.std` (computed where null), and `data.augment`; any other input reaches the
+model as the dataset gave it (a float C×H×W input too: it is not divided by 255).
 
 `loader=tensor` (the default): each split lives once as tensors on the training device,
 decoded once (an image folder keeps the decoded images in a cache file beside it); a batch is
@@ -152,8 +153,9 @@ class Data:
         self.seed = seed
         self.val_size, self.split_seed = val_size, split_seed
 
-    def setup(self, process: Process) -> None:
-        """Check the batch size, find or download the files, hold the splits for this process."""
+    def setup(self, process: Process, dtype: torch.dtype = torch.float32) -> None:
+        """Check the batch size, find or download the files, hold the splits for this process,
+        whose model takes float inputs of `dtype`."""
         if self.batch_size < 1 or self.batch_size % process.world_size:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
@@ -182,7 +184,8 @@ class Data:
         self.sampler = GlobalBatchSampler(
             self.size("train"), self.batch_size, process.rank, process.world_size, self.seed
         )
-        self.normalise = self._normalisation() if self.is_image else unchanged
+        self.dtype = dtype
+        self.normalise = self._normalisation() if self.is_image else self._as_dtype
         self.augmentation = Augment(
             max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
         ) if self.augment else None  # fmt: skip
@@ -337,7 +340,7 @@ class Data:
                 f"data.mean={mean} and data.std={std} need one value per channel: the images "
                 f"have {self.in_channels}."
             )
-        return Normalise(mean, std, self.device)
+        return Normalise(mean, std, self.device, self.dtype)
 
     def _uint8_batches(self, split: Split) -> Iterator[torch.Tensor]:
         if isinstance(split, tuple):
@@ -348,6 +351,11 @@ class Data:
             )
             for images, _ in read(loader):
                 yield images
+
+    def _as_dtype(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The normalisation of inputs that are not images: none; float ones in the run's dtype,
+        any other (int64 tokens) as read."""
+        return inputs.to(self.dtype) if inputs.is_floating_point() else inputs
 
     def empty_batch(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw (inputs, targets) of no sample, with the data's sample shapes and dtypes."""
@@ -427,11 +435,6 @@ class Data:
             yield self.normalise(inputs.index_select(0, chunk)), targets.index_select(0, chunk)
 
 
-def unchanged(inputs: torch.Tensor) -> torch.Tensor:
-    """The normalisation of inputs that are not images: none, they reach the model as read."""
-    return inputs
-
-
 def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     """A sample's dtype and shape, for messages: `float32 20`, `int64 16`, `uint8 3×32×32`."""
     return f"{str(dtype).removeprefix('torch.')} {'×'.join(map(str, shape)) or 'scalar'}"
@@ -442,19 +445,25 @@ class Normalise:
     (uint8 C×H×W) are normalised: any other input, a float C×H×W one too, bypasses it, so nothing
     already float is divided by 255 again."""
 
-    def __init__(self, mean: list[float], std: list[float], device: torch.device):
-        self.mean, self.std = mean, std
+    def __init__(
+        self,
+        mean: list[float],
+        std: list[float],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.mean, self.std, self.dtype = mean, std, dtype
         # One number where every channel has the same: a scalar operation is faster than a
         # broadcast one (about 5% of an MLP's epoch on a CPU).
         self._mean, self._std = (
             values[0]
             if len(set(values)) == 1
-            else torch.tensor(values, device=device).view(-1, 1, 1)
+            else torch.tensor(values, device=device, dtype=dtype).view(-1, 1, 1)
             for values in (mean, std)
         )
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return images.float().div_(255).sub_(self._mean).div_(self._std)
+        return images.to(self.dtype).div_(255).sub_(self._mean).div_(self._std)
 
 
 class Augment:

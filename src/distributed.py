@@ -225,6 +225,11 @@ def seed_dp_replicas(process: Process, seed: int) -> None:
 def _single_process(cfg: DictConfig, trainer: Trainer) -> Process:
     """parallel=none: one device. parallel=dp: the GPUs to split over, data on the output one."""
     device = pick_device(cfg.device)
+    if device.type == "mps" and trainer.precision == "64":
+        raise UserError(
+            "trainer.precision=64 on mps: Apple's GPUs have no float64. Use device=cpu for "
+            "float64, or trainer.precision=32."
+        )
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # else the CUDA context and pinned-memory thread use GPU 0
     if cfg.parallel.mode != "dp":
@@ -264,6 +269,12 @@ def check_data_parallel(
             f"parallel=dp over {len(ids)} GPUs cannot run a torch.compile'd model (DataParallel's "
             "replicas overwrite it). Use parallel=ddp with trainer.compile, or "
             "trainer.compile=false."
+        )
+    if len(ids) > 1 and precision == "64":
+        raise UserError(
+            f"trainer.precision=64 with parallel=dp over {len(ids)} GPUs: DataParallel's float64 "
+            "path is not among what this template proves (its GPU tests run ddp in float64). "
+            "Use parallel=ddp, or one GPU."
         )
     if len(ids) > 1 and precision != "32":
         raise UserError(

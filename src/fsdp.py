@@ -178,6 +178,18 @@ def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
+def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
+    """The dtypes of the model's tensors that the shards in `folder` hold, by name."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {
+        name.removeprefix("model."): meta.properties.dtype
+        for name, meta in saved.items()
+        if name.startswith("model.") and hasattr(meta, "properties")
+    }
+
+
 def load_sharded(
     model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
 ) -> None:

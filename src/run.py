@@ -67,7 +67,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
         weights = resumed or checkpoint.find_weights(cfg, process)
         with open_logger(cfg, run_dir, process, resumed) as logger:  # finishes wandb on every exit
             data = instantiate(cfg.data)
-            data.setup(process)
+            data.setup(process, trainer.dtype)
             if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
                 drift.check_first_batch(data, process)
                 check_count(task, data, process)  # and it has something to learn from
@@ -150,7 +150,9 @@ def build_model(
     # The input's shape and the number of classes that the config leaves to the data to find.
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    model = instantiate(cfg.model, **found).to(process.device)
+    # Built in float32 (as the default dtype makes it), then cast: float64 starts from the same
+    # weights as float32 does.
+    model = instantiate(cfg.model, **found).to(process.device, trainer.dtype)
     preflight(model, data, task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:

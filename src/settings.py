@@ -18,7 +18,9 @@ from omegaconf.errors import InterpolationKeyError
 from src import tasks
 from src.errors import UserError
 
-PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}  # autocast's dtype
+# Each precision's autocast dtype (None: none), and the dtype of the weights and float inputs.
+PRECISIONS = {"64": None, "32": None, "bf16": torch.bfloat16, "16": torch.float16}
+WEIGHTS = {"64": torch.float64}  # the others keep float32 weights (mixed precision autocasts)
 PROCESS_GROUP_MODES = ("ddp", "fsdp")  # one process per device, started by torchrun or train.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -101,7 +103,7 @@ class Trainer:
         if self.matmul_precision not in ("highest", "high"):
             _refuse("trainer.matmul_precision", self.matmul_precision, "highest or high")
         if self.precision not in PRECISIONS:
-            _refuse("trainer.precision", self.precision, "32, bf16 or 16")
+            _refuse("trainer.precision", self.precision, "32, bf16, 16 or 64")
         if self.compile not in (True, False, *COMPILE_MODES):
             _refuse(
                 "trainer.compile",
@@ -118,6 +120,12 @@ class Trainer:
     def autocast_dtype(self) -> torch.dtype | None:
         """Mixed precision's dtype (bf16, 16); None for float32."""
         return PRECISIONS[self.precision]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights, the float inputs and the optimizer's state: float64 for
+        precision 64, float32 otherwise (bf16 and 16 autocast float32 weights)."""
+        return WEIGHTS.get(self.precision, torch.float32)
 
     @property
     def memory_format(self) -> torch.memory_format:

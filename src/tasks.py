@@ -221,10 +221,16 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         if not MISFIT.search(detail):  # a bug in the model: its traceback, the shapes beside it
             err.add_note(f"(a batch of {tuple(inputs.shape)} {inputs.dtype} inputs, model={name})")
             raise
+        remedy = (
+            "Make the tensors its forward creates in the input's dtype (dtype=x.dtype), or "
+            "train in trainer.precision=32"
+            if inputs.dtype == torch.float64 and "dtype" in detail
+            else "Give the model the data's shape and dtype (in_channels, image_size, "
+            "num_classes or input_shape: null takes the data's)"
+        )
         raise UserError(
             f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "
-            f"{inputs.dtype} inputs stopped it with: {detail}. Give the model the data's shape and "
-            "dtype (in_channels, image_size, num_classes or input_shape: null takes the data's)."
+            f"{inputs.dtype} inputs stopped it with: {detail}. {remedy}."
         ) from None
     finally:
         model.train(training)

@@ -282,7 +282,9 @@ def train_step(
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
     micro = max(1, min(trainer.accumulate_grad_batches, global_size // process.world_size))
     pieces = list(zip(inputs.tensor_split(micro), targets.tensor_split(micro), strict=True))
-    per_rank = global_count([task.count(x, y) for x, y in pieces], process) / process.world_size
+    count = global_count([task.count(x, y) for x, y in pieces], process)
+    # In the weights' dtype: an int64 count divided by 3 would be a float32 2.6666667 in float64.
+    per_rank = (count.to(trainer.dtype) if torch.is_tensor(count) else count) / process.world_size
     total = None
     for i, (x, y) in enumerate(pieces):
         last = i == len(pieces) - 1

@@ -47,6 +47,13 @@ def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
         ([0, 1], 0, "reduce-overhead", "32", "cannot run a torch.compile'd model"),
         ([0, 1], 0, False, "bf16", "autocasts to float16 in its threads"),
         ([0, 1], 0, False, "16", "autocasts to float16 in its threads"),
+        (
+            [0, 1],
+            0,
+            False,
+            "64",
+            "precision=64 with parallel=dp over 2 GPUs: DataParallel's float64",
+        ),
         ([0, 7], 0, False, "32", "name GPUs \\[7\\] that do not exist: 4 are visible"),
     ],
 )
@@ -61,6 +68,7 @@ def test_data_parallel_takes_what_it_gets_right(ids):
     check_data_parallel(ids, ids[0], 4, False, "32")
     if len(ids) == 1:  # one GPU: DataParallel calls the model itself, no replicas, no threads
         check_data_parallel(ids, ids[0], 4, True, "bf16")
+        check_data_parallel(ids, ids[0], 4, False, "64")
 
 
 @pytest.mark.unit

@@ -5,6 +5,12 @@ Every mode trains the same config (SGD with momentum, a one-cycle schedule, 27 s
 per-step losses, the validations, the test and the final weights must agree to float32
 reduction-order noise. 200 training images in global batches of 24 end each epoch with a batch of
 8, which 3 processes split 3/3/2; the 50 validation images split 17/17/16.
+
+What float32 can show: that every mode sums the same terms (a skipped sample or an unscaled
+partial batch moves a loss by 1e-2 or more), in the precision users train in. What it cannot:
+that a long run stays together, since a rounding difference that tips a near tie (a ReLU's input
+within 1e-7 of 0) sends the modes on visibly different runs from that step on, rightly; these 27
+steps meet none, on this CPU. tests/test_float64.py proves the whole epoch, in float64.
 """
 
 import math

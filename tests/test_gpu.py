@@ -56,6 +56,25 @@ def test_float16_trains_with_its_scaler_and_resumes_a_float32_run(tmp_path, tiny
     assert all(math.isfinite(m["train/loss"]) for m in read_metrics(single_run(tmp_path / "16"))[0])
 
 
+def test_float64_on_a_gpu_trains_what_the_cpu_trains(tmp_path, tiny_data):
+    """trainer.precision=64: CUDA's kernels sum in other orders than the CPU's, and in float64
+    that moves the losses and weights by about 1e-15; the bound, 1e-10, is test_float64's."""
+    common = [f"data.root={tiny_data}", "logger=none", "plots=false", "trainer.precision=64",
+              "model=cnn", "model.dropout1=0", "model.dropout2=0", *SHORT]  # fmt: skip
+    runs = {}
+    for device in ("cpu", "cuda"):
+        ok(train([*common, f"device={device}"], tmp_path / device))
+        run_dir = single_run(tmp_path / device)
+        saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+        runs[device] = (read_metrics(run_dir)[0], saved)
+    (cpu_steps, cpu_weights), (gpu_steps, gpu_weights) = runs["cpu"], runs["cuda"]
+    for ours, ref in zip(gpu_steps, cpu_steps, strict=True):
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-10)
+    for name, weight in cpu_weights.items():
+        assert gpu_weights[name].dtype == torch.float64
+        torch.testing.assert_close(gpu_weights[name], weight, rtol=1e-10, atol=1e-10)
+
+
 def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
     model = nn.Linear(8, 2).cuda()
     optimizer = torch.optim.Adam(model.parameters())

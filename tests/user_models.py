@@ -56,6 +56,38 @@ class Broken(MLP):
         raise RuntimeError("a bug in the model's forward")
 
 
+class SmallViT(nn.Module):
+    """A small vision transformer as a user brings one: 7×7 patches, a learned position, one
+    `nn.TransformerEncoderLayer` whose attention projections have biases (PyTorch's default).
+    The key projection's bias gets a gradient that is 0 up to rounding (softmax ignores a shift
+    shared by every key), which Adam turns into steps in float32."""
+
+    def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
+        super().__init__()
+        self.patch, width = 7, 32
+        patches = (image_size // self.patch) ** 2
+        self.embed = nn.Linear(in_channels * self.patch**2, width)
+        self.position = nn.Parameter(torch.zeros(patches, width))
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=hidden,
+                                           dropout=0.0, batch_first=True)  # fmt: skip
+        self.blocks = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.patch
+        patches = x.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).flatten(3)
+        tokens = self.embed(patches.flatten(1, 2)) + self.position
+        return self.head(self.blocks(tokens).mean(dim=1))
+
+
+class Float32Inside(MLP):
+    """Makes a float32 tensor in its forward (a fixed projection): it cannot run in float64."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1) @ torch.eye(x[0].numel(), dtype=torch.float32, device=x.device)
+        return super().forward(x)
+
+
 class WandbModeByJob:
     """A Hydra callback (`hydra.callbacks`) that sets each job's WANDB_MODE, as a user's own
     callback might set any variable: offline for job 0, disabled for job 1."""
