@@ -2,13 +2,19 @@
 train your config exactly as one process does?
 
 It trains `debug.steps` optimizer steps of the config as composed (model, optimizer, schedule,
-precision, batches) in up to four layouts, from the same initial weights on the same global
+batches) in up to four layouts, from the same initial weights on the same global
 batches: one process on whole batches (the reference), one process in micro-batches (gradient
 accumulation), 2 DDP processes, and 2 DDP processes in micro-batches. Then it evaluates each
 layout's weights on the validation and test splits, prints a table and a verdict, and exits 1
 when a layout differs from the reference by more than float rounding, with the likely causes it
 can see. The DDP processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there
 are 2; with parallel=fsdp in the overrides they are FSDP processes instead.
+
+The layouts train in float64 (`debug.precision=64`, the default): float32 rounding, carried on by
+training, tips near ties and is magnified by adaptive optimizers, and would pass for a
+difference; float64's is 5e8 times finer. `debug.precision=train` compares in the precision the
+config trains in (trainer.precision), with that precision's tolerance; so does a model that
+cannot run in float64 (a float32 tensor made inside its forward), with the reason said.
 
 Dropout layers are switched off in every layout: each process draws its own masks, so with
 them no two layouts could agree. Randomness of any other kind is one of the causes named.
@@ -40,14 +46,28 @@ from src.training import autocast, configure_kernels, evaluate, laid_out, train_
 
 log = logging.getLogger("equivalence")
 
+PRECISIONS = ("64", "train")  # debug.precision: float64, or the config's own
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PROCESSES = 2
 # Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
 # last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
-# float32 within 3e-7; a real difference (BatchNorm on half a batch, randomness in the model) was
-# 7e-2 or more. bfloat16, float16 and TF32 matmuls (matmul_precision=high) round at 4e-3, 5e-4 and
-# 1e-3 in each operation: their bound is wide, and ranks that drift apart fail the check anyway.
-FLOAT32, LOWER_PRECISION = 1e-5, 1e-2
+# the CNN within 3e-7 in float32, 4.2e-16 in float64; a small ViT with Adam (the tests' data)
+# within 1.4e-13 in float64, where float32 differed by 8.8e-5; a real difference (BatchNorm on
+# half a batch, randomness in the model) was 7e-2 or more. bfloat16, float16 and TF32 matmuls
+# (matmul_precision=high) round at 4e-3, 5e-4 and 1e-3 in each operation: their bound is wide,
+# and ranks that drift apart fail the check anyway.
+FLOAT64, FLOAT32, LOWER_PRECISION = 1e-9, 1e-5, 1e-2
+# A gradient this small against the model's largest is float rounding of a gradient that is 0
+# (float32's rounding is 1.2e-7 of the terms summed; a real gradient is rarely 1e-6 of the largest).
+ZERO_GRADIENT = 1e-6
+# A loss difference that first passes the tolerance at this many times the largest before it
+# jumped: a near tie flipped. (Rounding's differences grew at most 3 times from one step to the
+# next, measured over 40 float32 steps of the MLP and of a small ViT.)
+JUMP = 20
+# The optimizer state of optimizers that divide each gradient by its own running size (Adam,
+# AdamW, RMSprop, Adagrad, Adadelta, Adamax): rounding noise of a zero gradient becomes a step.
+ADAPTIVE_STATE = ("exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf")
 # The one failure of DDP's that a model causes and this check explains; any other error is a bug
 # that stops every process, with its traceback.
 DDP_UNUSED_PARAMETERS = (
@@ -70,6 +90,10 @@ class Trace:
     rank_buffers: list[str] = field(default_factory=list)  # buffers the ranks differ in, step 1
     drifted: tuple[int, str, int] | None = None  # (step, parameter, rank): ranks differ there
     failed: str | None = None  # DDP's refusal that ended its training early, and its step
+    # One process: each gradient element's largest magnitude over the steps, and whether the
+    # optimizer divides by a running size of the gradients.
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+    adaptive: bool = False
 
 
 def check(cfg: DictConfig) -> None:
@@ -86,22 +110,35 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"debug.steps={steps}: train at least 1 step in each layout.")
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"debug.tolerance={tolerance}: use a bound above 0, or null.")
-    if tolerance is None:
-        exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
-        tolerance = FLOAT32 if exact else LOWER_PRECISION
+    precision = str(cfg.debug.get("precision", "64"))
+    if precision not in PRECISIONS:
+        raise UserError(
+            f"debug.precision={precision}: use 64 (compare in float64) or train (in "
+            f"trainer.precision={trainer.precision})."
+        )
     micro = micro_batches(cfg, trainer)
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
-    log.info(
-        "Training %d steps in each layout, dropout off, on %s (%s)",
-        steps, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
+    device, mode = "cuda" if gpus else "cpu", "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
+    in_what = (
+        "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
+        "the config's own precision)" if precision == "64"
+        else f"in trainer.precision={trainer.precision} (debug.precision=train)"
     )  # fmt: skip
-    mode = "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"  # of the processes compared
-    one = layout_config(cfg, "cuda" if gpus else "cpu", micro, "none")
-    ddp = layout_config(cfg, "cuda" if gpus else "cpu", micro, mode)
-    process = Process(device=distributed.pick_device(one.device))
-    configure_kernels(trainer)
-    data = instantiate(one.data)
-    data.setup(process)
+    log.info(
+        "Training %d steps in each layout, %s, dropout off, on %s (%s)",
+        steps, in_what, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
+    )  # fmt: skip
+    process = Process(device=distributed.pick_device(device))
+    one, trainer, data, fallback = compared(cfg, device, micro, precision == "64", task, process)
+    if fallback:
+        log.warning(
+            "Comparing in trainer.precision=%s instead, with its tolerance: %s",
+            trainer.precision, fallback,
+        )  # fmt: skip
+    if tolerance is None:
+        exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
+        tolerance = FLOAT64 if trainer.precision == "64" else FLOAT32 if exact else LOWER_PRECISION
+    ddp = layout_config(cfg, device, micro, mode, trainer.precision)
     traces = train_layouts(one, trainer, task, process, data)
     traces += launch.start_workers(ddp_layouts, ddp)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
@@ -113,18 +150,51 @@ def check(cfg: DictConfig) -> None:
         log.info(
             "Equivalent: every layout trains this config as one process does, within %s "
             "rounding (tolerance %.0e): %s only the speed.",
-            "float32" if tolerance == FLOAT32 else "its precision's", tolerance,
+            {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's"), tolerance,
             f"parallel={mode} and trainer.accumulate_grad_batches change" if micro
             else f"parallel={mode} changes",
         )  # fmt: skip
         return
     model, batch = probe(one, trainer, task, process, data)
     causes = likely_causes(layouts, rows, differ, model, randomness(model, task, batch, trainer),
-                           ddp.parallel)  # fmt: skip
+                           ddp.parallel, tolerance)  # fmt: skip
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
         f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
     )
+
+
+def compared(
+    cfg: DictConfig, device: str, micro: int | None, float64: bool, task: Task, process: Process
+) -> tuple[DictConfig, Trainer, Data, str | None]:
+    """The one-process layouts' config, its trainer settings and its data set up on `process`:
+    in float64 where asked and the model runs in it, else in the config's own precision; and
+    why float64 was not used, where it was asked for."""
+    fallback = None
+    for precision in ("64", None) if float64 else (None,):
+        one = layout_config(cfg, device, micro, "none", precision)
+        trainer = read_settings(one).trainer
+        configure_kernels(trainer)
+        data = instantiate(one.data)
+        data.setup(process, trainer.dtype)
+        if precision is None or not (fallback := float64_fails(one, trainer, task, process, data)):
+            return one, trainer, data, fallback
+    raise AssertionError("unreachable: the config's own precision is always compared")
+
+
+def float64_fails(
+    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
+) -> str | None:
+    """Why the model cannot train in float64 (one forward and backward of the first batch), or
+    None where it can: a model that makes float32 tensors in its forward meets float64 ones."""
+    try:
+        model, batch = probe(cfg, trainer, task, process, data)  # its preflight: a forward
+        gradients(model, task, batch, trainer)
+    except (UserError, RuntimeError, TypeError) as err:
+        error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"the model fails in float64 ({first})"
+    return None
 
 
 def micro_batches(cfg: DictConfig, trainer: Trainer) -> int | None:
@@ -154,10 +224,15 @@ def layout_names(micro: int | None, mode: str = "ddp") -> list[str]:
     return names
 
 
-def layout_config(cfg: DictConfig, device: str, micro: int | None, mode: str) -> DictConfig:
+def layout_config(
+    cfg: DictConfig, device: str, micro: int | None, mode: str, precision: str | None = None
+) -> DictConfig:
     """The user's config on `device`, in one process (`mode=none`) or 2 DDP (FSDP) processes,
-    with their own settings of that mode if they chose it, and the layouts' micro-batches."""
+    with their own settings of that mode if they chose it, the layouts' micro-batches, and
+    `precision` for trainer.precision (None: the config's)."""
     config = OmegaConf.to_container(cfg, resolve=True)
+    if precision is not None:
+        config["trainer"]["precision"] = precision
     parallel = OmegaConf.load(CONF / "parallel" / f"{mode}.yaml")
     if mode != "none" and cfg.parallel.mode == mode:
         parallel = OmegaConf.merge(parallel, cfg.parallel)
@@ -175,7 +250,7 @@ def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     process = distributed.setup(cfg, trainer)
     try:
         data = instantiate(cfg.data)
-        data.setup(process)
+        data.setup(process, trainer.dtype)
         return train_layouts(cfg, trainer, settings.task, process, data)
     finally:
         distributed.teardown()
@@ -217,6 +292,8 @@ def train_layout(
                 parts.scheduler.step()
             trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
             watch_step(trace, distributed.unwrap(model), process, step)
+            if process.mode == "none":
+                watch_gradients(trace, distributed.unwrap(model), parts.optimizer)
     except RuntimeError as err:
         if DDP_UNUSED_PARAMETERS not in str(err):
             raise
@@ -241,6 +318,17 @@ def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> N
     if trace.drifted is None and process.mode != "fsdp":  # FSDP's ranks hold different shards
         found = drift.differing(process, list(model.named_parameters()))
         trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+
+
+def watch_gradients(trace: Trace, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One process, after a step: each gradient element's largest magnitude so far, and whether
+    the optimizer divides each gradient by its own running size."""
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            size = p.grad.detach().abs().cpu()
+            seen = trace.gradients.get(name)
+            trace.gradients[name] = size if seen is None else torch.maximum(seen, size)
+    trace.adaptive = any(key in ADAPTIVE_STATE for s in optimizer.state.values() for key in s)
 
 
 def batches(data: Data, parts, trainer: Trainer):
@@ -274,6 +362,7 @@ class Difference:
     complete: bool  # it trained every step
     drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
     eval_losses: dict[str, float] = field(default_factory=dict)  # each split's, relative
+    steps: list[float] = field(default_factory=list)  # each step's relative loss difference
 
     def within(self, tolerance: float) -> bool:
         worst = max(self.loss[0], self.weight[0], self.eval_loss)
@@ -283,10 +372,8 @@ class Difference:
 def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
     """How far `trace` is from the reference."""
     pairs = zip(trace.losses, reference.losses, strict=False)
-    loss = max(
-        ((abs(a - b) / max(abs(b), 1e-12), step) for step, (a, b) in enumerate(pairs, 1)),
-        default=(0.0, None),
-    )
+    per_step = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
+    loss = max(((d, step) for step, d in enumerate(per_step, 1)), default=(0.0, None))
     weight = max(
         (
             ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
@@ -304,7 +391,7 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
     complete = len(trace.losses) == steps and trace.failed is None
     drifted = trace.drifted is not None and trace.failed is None
     return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted,
-                      eval_losses)  # fmt: skip
+                      eval_losses, per_step)  # fmt: skip
 
 
 def table(rows: dict[str, Difference], reference: Trace) -> str:
@@ -346,10 +433,11 @@ def likely_causes(
     model: nn.Module,
     randomness: tuple[bool, bool],
     parallel: DictConfig,
+    tolerance: float = FLOAT32,
 ) -> list[str]:
     """What could make the layouts `differ`, from what the runs and their `rows` (differences
-    from the reference), the one-process `model`, its `randomness` (random, repeatable) and the
-    DDP layouts' `parallel` settings show."""
+    from the reference, beyond `tolerance`), the one-process `model`, its `randomness` (random,
+    repeatable) and the DDP layouts' `parallel` settings show."""
     reference = next(iter(layouts.values()))
     failures: dict[str, list[str]] = {}
     for name in differ:
@@ -390,13 +478,70 @@ def likely_causes(
             "the same step twice gives other gradients: non-deterministic kernels; run with "
             "trainer.deterministic=true"
         )
+    worst = max(differ, key=lambda name: rows[name].weight[0])
+    if rounding := zero_gradients(reference, rows[worst].weight[1]):
+        causes.append(rounding)
+    if course := loss_course(differ, rows, tolerance):
+        causes.append(course)
     if not causes:
-        worst = max(differ, key=lambda name: rows[name].weight[0])
         where = rows[worst].weight[1]
         causes.append(
             f"none this check can see; the largest weight difference is in {where} ({worst})"
         )
     return causes
+
+
+def zero_gradients(reference: Trace, where: str | None) -> str | None:
+    """Parameters whose gradient (in the reference, over every step) is zero up to rounding, under
+    an optimizer that divides by the gradients' running size: it makes the noise a step."""
+    if not reference.adaptive or not reference.gradients:
+        return None
+    largest = max(g.max().item() for g in reference.gradients.values())
+    noise = {  # exactly 0 is the same in every layout, and the optimizer does not move it
+        name: int(((g > 0) & (g <= ZERO_GRADIENT * largest)).sum())
+        for name, g in reference.gradients.items()
+    }
+    found = [name for name, count in noise.items() if count]
+    if not found:
+        return None
+    sizes = {name: reference.gradients[name].numel() for name in found}
+    named = ", ".join(f"{name} ({noise[name]} of {sizes[name]})" for name in found[:5])
+    there = f"; the largest weight difference is in {where}" if where in found else ""
+    return (
+        f"parameters whose gradient is zero up to rounding (at most {ZERO_GRADIENT:.0e} of the "
+        f"largest, in the reference): {named}{there}. The optimizer divides each gradient by "
+        "its own running size, which turns that noise into steps of about the learning rate, "
+        "other ones in each layout: rounding, not DDP. Compare in float64 (debug.precision=64, "
+        "the default), or leave them out of the model (e.g. bias=False on an attention's key "
+        "projection), or raise the optimizer's eps"
+    )
+
+
+def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float) -> str | None:
+    """How the loss difference of the layout that differs most came about: from the first step
+    (a real difference), a jump from rounding level at one step (a near tie flipped), or growth."""
+    name = max(differ, key=lambda n: rows[n].loss[0])
+    steps = rows[name].steps
+    over = next((i for i, d in enumerate(steps) if d > tolerance), None)
+    if over is None:
+        return None
+    before, at = max(steps[:over], default=0.0), steps[over]
+    if over == 0:
+        return (
+            f"in {name} the loss differs from the first step ({at:.1e}): the layouts compute "
+            "something else (a sample, a scale, the model's own state), not rounding"
+        )
+    if at >= JUMP * before:  # within rounding up to there, and 20 times that in one step
+        return (
+            f"in {name} the loss jumps at step {over + 1}, from rounding ({before:.0e} up to "
+            f"there) to {at:.1e}: a near tie (a ReLU, a max, an argmax) that rounding tipped "
+            "the other way, which training carries on: rounding, not DDP (float64, "
+            "debug.precision=64, makes such ties far rarer)"
+        )
+    return (
+        f"in {name} the loss difference grows from step 1 ({steps[0]:.0e}) to {at:.1e} at step "
+        f"{over + 1}: a difference in what the layouts compute, compounding"
+    )
 
 
 def batch_norm_cause(norms: list[str], differ: list[str], synced: bool) -> str:
@@ -438,18 +583,22 @@ def randomness(model: nn.Module, task: Task, batch: tuple, trainer: Trainer) -> 
     """Whether the gradients of `batch` depend on the random seed (randomness in the model), and
     whether they are the same twice with one seed (deterministic kernels); with the task's loss,
     as training computes it."""
-    inputs, targets, _ = batch
-    count = task.count(inputs, targets)  # one process's batch: its own count is the global one
-
-    def gradients(seed: int) -> list[torch.Tensor]:
-        torch.manual_seed(seed)
-        model.zero_grad(set_to_none=True)
-        with autocast(inputs.device, trainer):
-            loss = task.loss(model(laid_out(inputs, trainer)), inputs, targets) / count
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    first, again, other = gradients(0), gradients(0), gradients(1)
+    first, again, other = (gradients(model, task, batch, trainer, seed) for seed in (0, 0, 1))
     same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     seeded = all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     return same and not seeded, same
+
+
+def gradients(
+    model: nn.Module, task: Task, batch: tuple, trainer: Trainer, seed: int = 0
+) -> list[torch.Tensor]:
+    """The gradients of the task's loss on one process's `batch`, as training computes them,
+    with the random generators seeded by `seed`."""
+    inputs, targets, _ = batch
+    count = task.count(inputs, targets)  # one process's batch: its own count is the global one
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    with autocast(inputs.device, trainer):
+        loss = task.loss(model(laid_out(inputs, trainer)), inputs, targets) / count
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]

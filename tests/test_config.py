@@ -225,6 +225,7 @@ def test_every_yaml_key_has_a_comment():
         ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not allowed"),
         ("trainer.matmul_precision=medium", "matmul_precision=medium is not allowed: use highest"),
+        ("trainer.precision=8", "trainer.precision=8 is not allowed: use 32, bf16, 16 or 64"),
         ("trainer.gradient_clip_val=true", "gradient_clip_val=true is not allowed: use null or a"),
         ("trainer.accumulate_grad_batches=2.5", "accumulate_grad_batches=2.5 is not allowed: use"),
         (
@@ -280,6 +281,8 @@ def test_values_training_cannot_use_are_refused(override, message):
         "parallel=ddp parallel.check_sync_every_n_steps=null",
         "parallel=fsdp checkpoint.sharded=true",
         "parallel=fsdp trainer.precision=16 trainer.compile=true trainer.accumulate_grad_batches=2",
+        "parallel=fsdp trainer.precision=64 trainer.compile=true model=cnn_bn",
+        "debug=equivalence debug.precision=train trainer.precision=bf16",
         "experiment=examples_mnist",
         pytest.param("hparams_search=optuna", marks=pytest.mark.extra("optuna")),
     ],

@@ -547,7 +547,7 @@ def test_debug_equivalence_passes_for_the_worked_fork(tmp_path):
     processes train it alike (exit 0, the verdict printed)."""
     write_fork(tmp_path)
     result = ok(launch(commands()["equivalence"], tmp_path, *SMALL))
-    assert "Equivalent: every layout trains this config as one process does, within float32 " in (
+    assert "Equivalent: every layout trains this config as one process does, within float64 " in (
         printed(result)
     )
 
