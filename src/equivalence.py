@@ -170,16 +170,21 @@ def compared(
     """The one-process layouts' config, its trainer settings and its data set up on `process`:
     in float64 where asked and the model runs in it, else in the config's own precision; and
     why float64 was not used, where it was asked for."""
-    fallback = None
-    for precision in ("64", None) if float64 else (None,):
+
+    def set_up(precision: str | None) -> tuple[DictConfig, Trainer, Data]:
         one = layout_config(cfg, device, micro, "none", precision)
         trainer = read_settings(one).trainer
         configure_kernels(trainer)
         data = instantiate(one.data)
         data.setup(process, trainer.dtype)
-        if precision is None or not (fallback := float64_fails(one, trainer, task, process, data)):
-            return one, trainer, data, fallback
-    raise AssertionError("unreachable: the config's own precision is always compared")
+        return one, trainer, data
+
+    fallback = None
+    if float64:
+        one, trainer, data = set_up("64")
+        if not (fallback := float64_fails(one, trainer, task, process, data)):
+            return one, trainer, data, None
+    return *set_up(None), fallback
 
 
 def float64_fails(
