@@ -537,8 +537,9 @@ def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str,
 def load_shards(model: nn.Module, path: Path, shards: str) -> None:
     """Load the model's weights from the `shards` folder that the checkpoint at `path` names
     into the model FSDP sharded (every rank calls it, and reads its own parts)."""
-    check_architecture(model, path, fsdp.saved_shapes(Path(shards)))
-    note_conversion(model, path, fsdp.saved_dtypes(Path(shards)))
+    saved = fsdp.saved_tensors(Path(shards))
+    check_architecture(model, path, {name: shape for name, (shape, _) in saved.items()})
+    note_conversion(model, path, {name: dtype for name, (_, dtype) in saved.items()})
     fsdp.load_sharded(model, Path(shards))
 
 

@@ -38,7 +38,7 @@ from torch import nn
 from src import checkpoint, distributed, drift, launch
 from src.data import Data
 from src.distributed import Process
-from src.errors import UserError
+from src.errors import UserError, first_line
 from src.run import build_model, build_parts
 from src.settings import Trainer, read_settings
 from src.tasks import Task
@@ -197,8 +197,7 @@ def float64_fails(
         gradients(model, task, batch, trainer)
     except (UserError, RuntimeError, TypeError) as err:
         error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"the model fails in float64 ({first})"
+        return f"the model fails in float64 ({first_line(error)})"
     return None
 
 
@@ -297,7 +296,7 @@ def train_layout(
                 parts.scheduler.step()
             trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
             watch_step(trace, distributed.unwrap(model), process, step)
-            if process.mode == "none":
+            if process.mode == "none" and trainer.accumulate_grad_batches == 1:  # the reference
                 watch_gradients(trace, distributed.unwrap(model), parts.optimizer)
     except RuntimeError as err:
         if DDP_UNUSED_PARAMETERS not in str(err):

@@ -1,4 +1,5 @@
-"""The one exception for mistakes a user can fix: bad config, missing data, wrong launcher."""
+"""The one exception for mistakes a user can fix: bad config, missing data, wrong launcher; and
+how a sentence quotes another error."""
 
 from hydra.errors import CompactHydraException
 
@@ -13,3 +14,9 @@ class UserError(CompactHydraException):
 
 class Stopped(CompactHydraException):
     """Training stopped on a signal after saving its checkpoint; Hydra prints the message alone."""
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line, for a sentence that quotes it (its type, where it says nothing)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -166,27 +166,16 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
         raise
 
 
-def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """The model's tensors that the shards in `folder` hold, by name, and their whole shapes."""
+def saved_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's tensors that the shards in `folder` hold, by name: each whole shape, and its
+    dtype."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(folder).read_metadata().state_dict_metadata
     return {
-        name.removeprefix("model."): tuple(meta.size)
+        name.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
         for name, meta in saved.items()
         if name.startswith("model.") and hasattr(meta, "size")
-    }
-
-
-def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
-    """The dtypes of the model's tensors that the shards in `folder` hold, by name."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
-    return {
-        name.removeprefix("model."): meta.properties.dtype
-        for name, meta in saved.items()
-        if name.startswith("model.") and hasattr(meta, "properties")
     }
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from src.errors import UserError
+from src.errors import UserError, first_line
 
 
 class Task(Protocol):
@@ -217,7 +217,7 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         with torch.no_grad():
             outputs = model(inputs)
     except (RuntimeError, IndexError, ValueError) as err:
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        detail = first_line(err)
         if not MISFIT.search(detail):  # a bug in the model: its traceback, the shapes beside it
             err.add_note(f"(a batch of {tuple(inputs.shape)} {inputs.dtype} inputs, model={name})")
             raise
