@@ -357,7 +357,7 @@ def find_resume(cfg: DictConfig, run_dir: Path, process: Process) -> tuple[Path,
     """
     if not cfg.train or cfg.resume is None:
         return None
-    path = Path(cfg.resume)
+    path = Path(cfg.resume).expanduser()
     if cfg.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
         path = process.broadcast_object(last if last.is_file() else None)
@@ -426,7 +426,7 @@ def find_weights(cfg: DictConfig, process: Process) -> tuple[Path, dict] | None:
     name = cfg.init_from if cfg.train else cfg.ckpt_path
     if name is None:
         return None
-    path = Path(name)
+    path = Path(name).expanduser()
     return path, load(path, process, weights_only=True)
 
 

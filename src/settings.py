@@ -212,6 +212,43 @@ def check_fsdp(cfg: DictConfig) -> None:
         )
 
 
+# The data keys every dataset config shares: what each takes, and its least value (None: a flag).
+_DATA_KEYS: dict[str, tuple[str, int | None]] = {
+    "batch_size": ("int", 1),
+    "test_batch_size": ("int", 1),
+    "num_workers": ("int", 0),
+    "split_seed": ("int", 0),
+    "seed": ("int", 0),
+    "num_classes": ("int", 1),
+    "in_channels": ("int", 1),
+    "augment": ("bool", None),
+    "download": ("bool", None),
+    "pin_memory": ("bool", None),
+    "persistent_workers": ("bool", None),
+}
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Refuse a shared data key of the wrong type or range, a std of 0 and a seed numpy cannot
+    take, by its key, before the data is read (`data.augment=no` is a string, not false)."""
+    seed = cfg.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        _refuse("seed", seed, "a whole number, 0 or more")
+    for key, (annotation, low) in _DATA_KEYS.items():
+        value = cfg.data.get(key)
+        if value is None and key not in ("batch_size", "test_batch_size", "seed"):
+            continue  # a key this dataset's config leaves out or null
+        kinds, said = _TYPES[annotation]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            _refuse(f"data.{key}", value, said)
+        if low is not None:
+            _at_least(f"data.{key}", value, low)
+    std = cfg.data.get("std")
+    stds = list(std) if OmegaConf.is_list(std) else [std]
+    if std is not None and any(isinstance(s, (int, float)) and s <= 0 for s in stds):
+        _refuse("data.std", std, "the pixels' standard deviation, above 0 (null computes it)")
+
+
 def read_settings(cfg: DictConfig) -> Settings:
     """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
     for key in cfg.data:  # `???` in the YAML: a value only the user can give
@@ -228,6 +265,7 @@ def read_settings(cfg: DictConfig) -> Settings:
             f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
             f"data's input_shape, or set {err.full_key}=... yourself."
         ) from None
+    check_data(cfg)
     _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
     share = isinstance(val_size, float) and 0 < val_size < 1

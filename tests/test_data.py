@@ -43,6 +43,17 @@ def mnist(root, **overrides) -> Data:
 
 
 @pytest.mark.unit
+def test_a_root_under_home_is_expanded(tmp_path, monkeypatch):
+    """data.root="~/mnist" reads the user's folder, not a folder named ~ in the working one."""
+    make_dataset(tmp_path / "home" / "mnist")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    data = mnist("~/mnist")
+    data.setup(Process())
+    assert len(data.test[1]) == 100 and not (tmp_path / "~").exists()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("gz", [False, True])
 def test_read_idx_round_trip(tmp_path, gz):
     array = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)

@@ -179,7 +179,7 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
         env=env,
     )
     assert result.returncode != 0
-    assert "data.batch_size=0 does not divide" in result.stderr
+    assert "data.batch_size=0 is not allowed: use at least 1" in result.stderr
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
     good, bad = jobs
