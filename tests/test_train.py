@@ -171,15 +171,16 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
 
 
 def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
-    """A sweep with a failing job: the others complete, the failure is reported, wandb finished."""
+    """A sweep with a job that fails once its wandb run has started (its data leaves nothing to
+    train on): the others complete, the failure is reported, wandb finished."""
     env = offline_env(HOME=str(tmp_path))
     result = train(
-        ["-m", f"data.root={tiny_data}", "trainer.max_steps=2", "data.batch_size=32,0"],
+        ["-m", f"data.root={tiny_data}", "trainer.max_steps=2", "data.val_size=50,250"],
         tmp_path,
         env=env,
     )
     assert result.returncode != 0
-    assert "data.batch_size=0 is not allowed: use at least 1" in result.stderr
+    assert "data.val_size=250 leaves no training images" in result.stderr
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
     good, bad = jobs
@@ -193,7 +194,7 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert rows[0]["monitor"] == "val/acc" and rows[1]["best"] == ""
     assert float(rows[0]["best"]) == max(m["val/acc"] for m in read_metrics(good)[1][:-1])
     assert float(rows[0]["test/acc"]) == read_test(good)["test/acc"]
-    assert "data.batch_size=32" in rows[0]["overrides"] and float(rows[0]["wall_s"]) > 0
+    assert "data.val_size=50" in rows[0]["overrides"] and float(rows[0]["wall_s"]) > 0
     assert result.stdout.count("Sweep summary") == 1  # printed also when a job failed
 
 
