@@ -31,6 +31,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -137,6 +138,8 @@ class Data:
         own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
+        if isinstance(options.get("root"), str):  # data.root="~/mnist": the user's own folder
+            options["root"] = os.path.expanduser(options["root"])
         source = get_class(dataset)
         self.takes = set(inspect.signature(source).parameters)
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)

@@ -147,11 +147,7 @@ class IDX:
         in_channels: int | None = None,
     ):
         check_shape(torchvision_class, image_size, in_channels, 28, 1)
-        self.root, self.download, self.torchvision_class = (
-            Path(root).expanduser(),
-            download,
-            torchvision_class,
-        )
+        self.root, self.download, self.torchvision_class = Path(root), download, torchvision_class
         self.classes = None  # the label numbers
 
     def prepare(self) -> None:
@@ -227,11 +223,7 @@ class Torchvision:
     ):
         if split_argument not in ("train", "split"):
             raise UserError(f"data.split_argument={split_argument}: use train or split.")
-        self.root, self.torchvision_class, self.download = (
-            Path(root).expanduser(),
-            torchvision_class,
-            download,
-        )
+        self.root, self.torchvision_class, self.download = Path(root), torchvision_class, download
         self.split_argument, self.image_size, self.in_channels = (
             split_argument,
             image_size,
@@ -418,11 +410,7 @@ class ImageFolder:
     def __init__(self, root: str, image_size: int | None = None, in_channels: int = 3):
         if in_channels not in (1, 3):
             raise UserError(f"data.in_channels={in_channels}: use 1 (grey) or 3 (RGB).")
-        self.root, self.image_size, self.in_channels = (
-            Path(root).expanduser(),
-            image_size,
-            in_channels,
-        )
+        self.root, self.image_size, self.in_channels = Path(root), image_size, in_channels
         self.classes: list[str] | None = None
 
     def prepare(self) -> None:

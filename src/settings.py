@@ -52,19 +52,23 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """Refuse a value that is not of `annotation` (a string for a number, true for a count)."""
+    kinds, said = _TYPES[annotation]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        _refuse(key, value, said)
+
+
 def _check_types(settings: Any, section: str) -> None:
-    """Refuse a value of the wrong type (a string for a number, true for a count) by its key."""
+    """Refuse a value of the wrong type by its key, for each field of `settings`."""
     for f in fields(settings):
-        value = getattr(settings, f.name)
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if annotation not in _TYPES:  # a field a fork added, of a type not listed above
             raise TypeError(
                 f"{section}.{f.name} is annotated {annotation}, which _TYPES in src/settings.py "
                 f"does not check: add it there ({', '.join(_TYPES)} are)."
             )
-        kinds, said = _TYPES[annotation]
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            _refuse(f"{section}.{f.name}", value, said)
+        _check_type(f"{section}.{f.name}", getattr(settings, f.name), annotation)
 
 
 @dataclass(frozen=True)
@@ -238,9 +242,7 @@ def check_data(cfg: DictConfig) -> None:
         value = cfg.data.get(key)
         if value is None and key not in ("batch_size", "test_batch_size", "seed"):
             continue  # a key this dataset's config leaves out or null
-        kinds, said = _TYPES[annotation]
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            _refuse(f"data.{key}", value, said)
+        _check_type(f"data.{key}", value, annotation)
         if low is not None:
             _at_least(f"data.{key}", value, low)
     std = cfg.data.get("std")
