@@ -8,10 +8,11 @@ these settings instead of the DictConfig.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
@@ -143,7 +144,7 @@ class Checkpointing:
     save: bool = True
     every_n_steps: int | None = None
     monitor: str = "val/acc"
-    mode: str = "max"
+    mode: str | None = "max"  # null in the config: the way the task says the monitor is better
     sharded: bool = False
 
     def __post_init__(self) -> None:
@@ -151,8 +152,45 @@ class Checkpointing:
         _at_least("checkpoint.every_n_steps", self.every_n_steps, 1, nullable=True)
         if not self.monitor.startswith("val/"):
             _refuse("checkpoint.monitor", self.monitor, "a metric of the validation split: val/...")
-        if self.mode not in ("max", "min"):
-            _refuse("checkpoint.mode", self.mode, "max or min")
+        if self.mode not in (None, "max", "min"):
+            _refuse("checkpoint.mode", self.mode, "max, min or null (as the monitor says)")
+
+
+def checkpoint_mode(monitor: Any, mode: Any, modes: dict[str, str] | None) -> Any:
+    """`checkpoint.mode`, or where it is null the way the task's `modes` say `monitor` is better
+    (val/loss: min, val/acc: max). A mode against the task's is refused: best.pt would keep the
+    worst epoch."""
+    declared = (modes or {}).get(str(monitor).removeprefix("val/"))
+    if mode is None:
+        return declared
+    if declared and mode != declared:
+        better = "lower" if declared == "min" else "higher"
+        raise UserError(
+            f"checkpoint.mode={mode} keeps the worst epoch of checkpoint.monitor={monitor}, "
+            f"where {better} is better: use checkpoint.mode={declared}, or leave it null (it "
+            "follows the monitor)."
+        )
+    return mode
+
+
+def checkpoint_mode_of(cfg: DictConfig) -> Any:
+    """`checkpoint_mode` of a whole config, the task's `modes` read off its class (not built)."""
+    task = get_class(cfg.task._target_) if cfg.get("task") else None
+    return checkpoint_mode(cfg.checkpoint.monitor, cfg.checkpoint.mode, task and tasks.modes(task))
+
+
+def _direction(*, _root_: DictConfig) -> str:
+    """`${checkpoint_mode:}` in a config (the Optuna sweeper's direction): max or min."""
+    if mode := checkpoint_mode_of(_root_):
+        return mode
+    raise UserError(
+        f"checkpoint.mode is null, and task={_root_.task._target_} does not say whether a higher "
+        f"or a lower {_root_.checkpoint.monitor} is better: set checkpoint.mode=max or min."
+    )
+
+
+if not OmegaConf.has_resolver("checkpoint_mode"):
+    OmegaConf.register_new_resolver("checkpoint_mode", _direction)
 
 
 @dataclass(frozen=True)
@@ -169,14 +207,18 @@ class Settings:
     check_sync: int | str | None = None
 
     def __post_init__(self) -> None:
-        monitor, known = self.checkpoint.monitor, tasks.names(self.task) if self.task else None
+        monitor, known = self.checkpoint.monitor, tasks.modes(self.task) if self.task else None
         if known and monitor.removeprefix("val/") not in known:
             metrics = " or ".join(f"val/{name}" for name in known)
-            raise UserError(
-                f"checkpoint.monitor={monitor} is not a metric this task returns: use {metrics} "
-                "(and checkpoint.mode max where higher is better, min where lower is)."
-            )
+            raise UserError(f"checkpoint.monitor={monitor} is not a metric this task returns: "
+                            f"use {metrics}.")  # fmt: skip
         selects = self.train and self.validates
+        if selects and self.checkpoint.mode is None:
+            raise UserError(
+                f"checkpoint.mode is null, and task={type(self.task).__name__} does not say "
+                f"whether a higher or a lower {monitor} is better: set checkpoint.mode=max or min "
+                "(or give the task modes, as in src/tasks.py)."
+            )
         if self.trainer.early_stopping_patience is not None and not selects:
             raise UserError(
                 "trainer.early_stopping_patience watches the validation split, and "
@@ -321,10 +363,13 @@ def read_settings(cfg: DictConfig) -> Settings:
         )
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer["precision"] = str(trainer["precision"])  # 32 and 16 come from YAML as numbers
+    checkpoint = _section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True))
+    task = tasks.build(cfg.task)
+    mode = checkpoint_mode(checkpoint.monitor, checkpoint.mode, tasks.modes(task))
     return Settings(
         trainer=_section(Trainer, trainer, step_interval=interval == "step"),
-        checkpoint=_section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True)),
-        task=tasks.build(cfg.task),
+        checkpoint=replace(checkpoint, mode=mode),
+        task=task,
         train=cfg.train,
         validates=val_size > 0,
         check_sync=check_sync if cfg.parallel.mode == "ddp" else None,

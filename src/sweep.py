@@ -21,7 +21,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from src.checkpoint import Best
+from src.errors import UserError
 from src.logger import measured
+from src.settings import checkpoint_mode_of
 
 # summary.csv's columns: these, then the jobs' test metrics, then LAST.
 FIRST = ["job", "overrides", "monitor", "best", "best_epoch"]
@@ -40,7 +42,7 @@ class SweepSummary(Callback):
         folder = Path(config.hydra.runtime.output_dir)
         records = _records(folder / "metrics.jsonl")
         # The same choice as training's best.pt, made again from the validations it logged.
-        best = Best(config.checkpoint.monitor, config.checkpoint.mode)
+        best = Best(config.checkpoint.monitor, _mode(config))
         for record in records:
             if best.monitor in record:
                 best.update(record, record["epoch"])
@@ -113,6 +115,14 @@ def _rank(job: dict[str, Any]) -> tuple:
     if value is None:
         return (1, 0.0, job["job"])
     return (0, -value if job["mode"] == "max" else value, job["job"])
+
+
+def _mode(config: DictConfig) -> str:
+    """The job's checkpoint.mode, as training resolved it (a job whose mode it refused: max)."""
+    try:
+        return checkpoint_mode_of(config) or "max"
+    except UserError:
+        return "max"
 
 
 def _metric(monitor: str) -> str:

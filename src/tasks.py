@@ -20,10 +20,11 @@ any importable file. The engine (order, ranks, precision, checkpoints) asks it f
         (AUROC, F1 over the whole split) can be a torchmetrics object updated in `sums` and
         computed (over the ranks, by torchmetrics itself) and reset here.
 
-and, where it has them, `names` (the metrics' names, checked against `checkpoint.monitor`
-before training), `check(outputs, inputs, targets)` (a sentence for targets the task cannot
-take) and `captions(outputs, targets, class_names)` (what `predictions.png` writes under each
-input image; a task without it draws no predictions).
+and, where it has them, `modes` (a class attribute: each metric's name, and whether a higher
+(`max`) or a lower (`min`) value is better; checked against `checkpoint.monitor` before training,
+it sets `checkpoint.mode` where that is null), `check(outputs, inputs, targets)` (a sentence
+for targets the task cannot take) and `captions(outputs, targets, class_names)` (what
+`predictions.png` writes under each input image; a task without it draws no predictions).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from src.errors import UserError, first_line
 class Task(Protocol):
     """The contract above, as a type: what the engine calls on `settings.task`."""
 
-    names: tuple[str, ...]
+    modes: dict[str, str]
 
     def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int | torch.Tensor: ...
 
@@ -64,7 +65,7 @@ class Classification:
     plain cross-entropy, so runs with and without it compare on one scale.
     """
 
-    names = ("loss", "acc")
+    modes = {"loss": "min", "acc": "max"}
 
     def __init__(self, label_smoothing: float = 0.0):
         if not 0 <= label_smoothing < 1:
@@ -131,7 +132,7 @@ class Regression:
     over every target value, and the mean absolute error. `target=input` learns the (normalised)
     input itself: an autoencoder."""
 
-    names = ("loss", "mae")
+    modes = {"loss": "min", "mae": "min"}
 
     def __init__(self, target: str = "target"):
         if target not in ("target", "input"):
@@ -192,9 +193,9 @@ def build(config: Any) -> Task:
     return task
 
 
-def names(task: Task) -> tuple[str, ...] | None:
-    """The metrics' names the task declares (None: it does not say)."""
-    return tuple(getattr(task, "names", ()) or ()) or None
+def modes(task: Task | type) -> dict[str, str] | None:
+    """The task's (or its class's) metrics, each with `max` or `min` (None: it does not say)."""
+    return dict(getattr(task, "modes", None) or {}) or None
 
 
 # What PyTorch says when a layer does not fit its input: mat1 and mat2 shapes cannot be

@@ -235,7 +235,27 @@ def test_every_yaml_key_has_a_comment():
             "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
         ),
         ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
-        ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max or min"),
+        ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max, min or null"),
+        (
+            "checkpoint.monitor=val/loss checkpoint.mode=max",
+            r"^checkpoint.mode=max keeps the worst epoch of checkpoint.monitor=val/loss, where "
+            r"lower is better: use checkpoint.mode=min, or leave it null \(it follows the "
+            r"monitor\)\.$",
+        ),
+        (
+            "checkpoint.mode=min",  # val/acc
+            "^checkpoint.mode=min keeps the worst epoch of checkpoint.monitor=val/acc, where "
+            "higher is better: use checkpoint.mode=max",
+        ),
+        (
+            "task._target_=user_models.SaysNoModes",  # a fork's task without modes
+            r"^checkpoint.mode is null, and task=SaysNoModes does not say whether a higher or a "
+            r"lower val/acc is better: set checkpoint.mode=max or min",
+        ),
+        (
+            "task=regression checkpoint.monitor=val/mae checkpoint.mode=max",
+            "^checkpoint.mode=max keeps the worst epoch of checkpoint.monitor=val/mae, where lower",
+        ),
         ("trainer.test_weights=first", "test_weights=first is not allowed: use best or last"),
         ("trainer.early_stopping_patience=0", "trainer.early_stopping_patience=0 is not allowed"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not allowed"),
@@ -433,15 +453,26 @@ def test_optuna_search_optimises_the_monitor(tmp_path, tiny_data, overrides, bes
 
 @pytest.mark.unit
 @pytest.mark.extra("optuna")
-@pytest.mark.parametrize(("mode", "direction"), [("max", "maximize"), ("min", "minimize")])
-def test_the_optuna_direction_follows_checkpoint_mode(mode, direction):
+@pytest.mark.parametrize(
+    ("overrides", "direction"),
+    [
+        ([], "maximize"),  # val/acc, checkpoint.mode null: the task's way
+        (["checkpoint.monitor=val/loss"], "minimize"),
+        (["task=regression", "checkpoint.monitor=val/mae"], "minimize"),
+        (["checkpoint.mode=max"], "maximize"),
+        (["checkpoint.monitor=val/loss", "checkpoint.mode=min"], "minimize"),
+        (["task._target_=user_models.SaysNoModes", "checkpoint.mode=min"], "minimize"),
+    ],
+)
+def test_the_optuna_direction_follows_checkpoint_mode(overrides, direction):
     """The sweeper as Hydra builds it for `-m` (from the whole config, where the direction's
-    interpolation finds checkpoint.mode); its directions are what it creates the study with."""
+    `${checkpoint_mode:}` finds checkpoint.mode, or the task's way for the monitor where it is
+    null); its directions are what it creates the study with."""
     from hydra import compose, initialize_config_dir
     from hydra.core.plugins import Plugins
     from hydra.types import HydraContext
 
-    overrides = ["hparams_search=optuna", f"checkpoint.mode={mode}"]
+    overrides = ["hparams_search=optuna", *overrides]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         config = compose("config", overrides=overrides, return_hydra_config=True)
     assert config.hydra.sweeper.direction == direction

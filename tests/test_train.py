@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    TESTS,
     assert_identical,
     offline_env,
     ok,
@@ -61,20 +62,23 @@ def test_max_steps_and_subset(tmp_path, tiny_data):
 def test_best_pt_follows_the_monitor_and_test_weights_picks_what_is_tested(tmp_path, tiny_data):
     """best.pt holds the epoch whose validation is best by checkpoint.monitor and mode (here the
     validation loss falls every epoch, so min and max pick different ends), the test is of its
-    weights, and trainer.test_weights=last tests the final weights instead."""
+    weights, and trainer.test_weights=last tests the final weights instead. checkpoint.mode left
+    null follows the task's way for val/loss (min); max, the other end, is a fork's task that does
+    not say which way is better (the shipped one refuses it: test_config)."""
     overrides = [
         f"data.root={tiny_data}",
         *SMOKE,
         "trainer.epochs=4",
         "checkpoint.monitor=val/loss",
     ]
+    says_no_modes = ["task._target_=user_models.SaysNoModes", "checkpoint.mode=max"]
     runs = {}
     for name, extra in {
-        "min": ["checkpoint.mode=min"],
-        "max": ["checkpoint.mode=max"],
-        "max-last": ["checkpoint.mode=max", "trainer.test_weights=last"],
+        "min": [],
+        "max": says_no_modes,
+        "max-last": [*says_no_modes, "trainer.test_weights=last"],
     }.items():
-        ok(train([*overrides, *extra], tmp_path / name))
+        ok(train([*overrides, *extra], tmp_path / name, env=offline_env(PYTHONPATH=TESTS)))
         runs[name] = single_run(tmp_path / name)
     validations = read_metrics(runs["min"])[1][:-1]
     losses = [m["val/loss"] for m in validations]

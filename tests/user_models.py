@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from src.models import MLP
+from src.tasks import Classification
 
 
 class UnusedBranch(MLP):
@@ -96,3 +97,10 @@ class WandbModeByJob:
         from hydra.core.hydra_config import HydraConfig
 
         os.environ["WANDB_MODE"] = ["offline", "disabled"][HydraConfig.get().job.num]
+
+
+class SaysNoModes(Classification):
+    """A fork's task that does not say which way its metrics are better (no `modes`): the
+    checkpoint.mode it is given picks best.pt, whichever way."""
+
+    modes = None
