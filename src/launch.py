@@ -15,8 +15,10 @@ import logging
 import logging.config
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -77,12 +79,17 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
     the function object itself may have reached this process pickled by value (submitit does
     that to train.py's functions), and nothing it carries says where its code lives.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     target = importable_name(train)
     nproc = nproc_per_node(cfg)
     hydra = HydraConfig.get()
+    # The workers' error files, in a folder removed after them (torch's own default, a
+    # torchelastic_* folder in the temporary directory, is left behind).
+    logs = Path(tempfile.mkdtemp(prefix="train-workers-"))
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -116,6 +123,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
         raise WorkerFailed(message) from None
     finally:
         elastic_log.setLevel(level)
+        shutil.rmtree(logs, ignore_errors=True)
     return results[0]
 
 

@@ -58,56 +58,61 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             check_accumulation(trainer, cfg.data.batch_size, process.world_size)
         run_dir = distributed.shared_run_dir(process, run_dir)
         log.info("Run folder: %s", run_dir)
-        # (path, checkpoint): the one training continues from, else the one whose weights it
-        # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
-        resumed = checkpoint.find_resume(cfg, run_dir, process)
-        # The config as this run uses it, interpolations resolved; saved with each checkpoint.
-        config = OmegaConf.to_container(cfg, resolve=True)
-        write_config(config, run_dir, process, resumed and (resumed[0], resumed[1]["step"]))
-        weights = resumed or checkpoint.find_weights(cfg, process)
-        with open_logger(cfg, run_dir, process, resumed) as logger:  # finishes wandb on every exit
-            data = instantiate(cfg.data)
-            data.setup(process, trainer.dtype)
-            if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
-                drift.check_first_batch(data, process)
-                check_count(task, data, process)  # and it has something to learn from
+        with storage.held(run_dir, process):  # one run per folder: a second is refused
+            # (path, checkpoint): the one training continues from, else the one whose weights it
+            # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
+            resumed = checkpoint.find_resume(cfg, run_dir, process)
+            # The config as this run uses it, interpolations resolved; saved with each checkpoint.
+            config = OmegaConf.to_container(cfg, resolve=True)
+            write_config(config, run_dir, process, resumed and (resumed[0], resumed[1]["step"]))
+            weights = resumed or checkpoint.find_weights(cfg, process)
+            with open_logger(
+                cfg, run_dir, process, resumed
+            ) as logger:  # finishes wandb on every exit
+                data = instantiate(cfg.data)
+                data.setup(process, trainer.dtype)
+                if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
+                    drift.check_first_batch(data, process)
+                    check_count(task, data, process)  # and it has something to learn from
 
-            model = build_model(cfg, trainer, process, weights, data, task)
-            if cfg.train:
-                state = resumed and resumed[1]
-                parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
-                saver = Checkpointer(
-                    settings.checkpoint,
-                    run_dir,
-                    process,
-                    parts,
-                    config,
-                    logger.run_id if logger else None,
-                )
-                if resumed:  # intact until this run writes its own
-                    saver.kept = (resumed[0], state["step"])
-                fitted = fit(parts, data, process, settings, saver, logger, run_dir, state)
-                result = fitted.best and fitted.best.value
-            else:  # train=false: the checkpoint's weights, on the validation split too
-                fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
-                result = None
-                if data.size("val"):
-                    at = {"step": fitted.step, "epoch": fitted.epoch}
-                    val = evaluate_and_log(
-                        model, task, data, "val", process, logger, trainer, at, str(weights[0])
+                model = build_model(cfg, trainer, process, weights, data, task)
+                if cfg.train:
+                    state = resumed and resumed[1]
+                    parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
+                    saver = Checkpointer(
+                        settings.checkpoint,
+                        run_dir,
+                        process,
+                        parts,
+                        config,
+                        logger.run_id if logger else None,
                     )
-                    result = val[settings.checkpoint.monitor]
-            test(model, task, data, process, logger, trainer, fitted, run_dir)  # once, at the end
-            unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
-            # Every rank predicts: under FSDP a forward needs them all.
-            shown = plots.predict(distributed.unwrap(model), data, task) if cfg.plots else None
-            if cfg.plots and process.is_main and not unwritten:
-                unwritten = storage.attempt(lambda: draw(run_dir, shown, data, logger))
-            # Every rank stops together, and none tears the process group down while another
-            # still uses it.
-            if unwritten := storage.agree(process, unwritten or None):
-                kept = saver.kept if cfg.train else None
-                raise storage.stopped(unwritten, run_dir, fitted.step, kept)
+                    if resumed:  # intact until this run writes its own
+                        saver.kept = (resumed[0], state["step"])
+                    fitted = fit(parts, data, process, settings, saver, logger, run_dir, state)
+                    result = fitted.best and fitted.best.value
+                else:  # train=false: the checkpoint's weights, on the validation split too
+                    fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
+                    result = None
+                    if data.size("val"):
+                        at = {"step": fitted.step, "epoch": fitted.epoch}
+                        val = evaluate_and_log(
+                            model, task, data, "val", process, logger, trainer, at, str(weights[0])
+                        )
+                        result = val[settings.checkpoint.monitor]
+                test(
+                    model, task, data, process, logger, trainer, fitted, run_dir
+                )  # once, at the end
+                unwritten = logger and logger.fault  # metrics.jsonl, refused by the storage
+                # Every rank predicts: under FSDP a forward needs them all.
+                shown = plots.predict(distributed.unwrap(model), data, task) if cfg.plots else None
+                if cfg.plots and process.is_main and not unwritten:
+                    unwritten = storage.attempt(lambda: draw(run_dir, shown, data, logger))
+                # Every rank stops together, and none tears the process group down while another
+                # still uses it.
+                if unwritten := storage.agree(process, unwritten or None):
+                    kept = saver.kept if cfg.train else None
+                    raise storage.stopped(unwritten, run_dir, fitted.step, kept)
     finally:
         distributed.teardown()
     return result

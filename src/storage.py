@@ -9,11 +9,14 @@ partial one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import logging
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
@@ -35,6 +38,9 @@ READ_ONLY = {
     errno.EPERM: "permission is denied",
 }
 GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
+LOCK = "run.lock"  # in the run folder while a run holds it: its process id and host
+
+log = logging.getLogger(__name__)
 
 
 class Fault(NamedTuple):
@@ -178,3 +184,84 @@ def _within(path: Path, folder: Path) -> str:
         return str(path.relative_to(folder))
     except ValueError:
         return str(path)
+
+
+@contextlib.contextmanager
+def held(run_dir: Path, process: Process) -> Iterator[None]:
+    """Hold the run folder for this run: rank 0 writes `run.lock` (its process id and host) and
+    removes it when the run ends, however it ends. A folder another living run holds is refused
+    on every rank, with one sentence naming the holder; the lock of a run that died (SIGKILL, a
+    lost machine) is taken over, as is the previous attempt's under a torchrun restart."""
+    refusal = None
+    if process.is_main:
+        try:
+            refusal = _take(run_dir / LOCK)
+        except OSError as err:
+            refusal = str(stopped(Fault.of(err, run_dir / LOCK), run_dir, None, None))
+    if refusal := process.broadcast_object(refusal):
+        raise UserError(refusal)
+    try:
+        yield
+    finally:
+        if process.is_main:
+            with suppress(OSError):
+                if json.loads((run_dir / LOCK).read_text()) == _holder():
+                    (run_dir / LOCK).unlink()
+
+
+def _holder() -> dict[str, object]:
+    """Who holds a run folder: this process, its machine, its torchrun job (restarts keep it)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    return {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
+
+
+def _take(path: Path) -> str | None:
+    """Create the lock `path` for this process; the sentence that refuses the folder if a living
+    run holds it (None: taken)."""
+    me = _holder()
+    for _ in range(3):  # a stale lock removed, then created again (another run may win the race)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+            except (OSError, ValueError):  # removed meanwhile, or being written: look again
+                continue
+            if _alive(holder, me):
+                return (
+                    f"{path.parent} is in use by another run (process {holder.get('pid')} on "
+                    f"{holder.get('host')}): give this run a folder of its own "
+                    "(hydra.run.dir=...), or wait for that one to end. If it is no longer "
+                    f"running, delete {path}."
+                )
+            log.warning(
+                "%s was left by a run that ended without removing it (process %s on %s): this "
+                "run takes the folder over",
+                path,
+                holder.get("pid"),
+                holder.get("host"),
+            )
+            with suppress(FileNotFoundError):
+                path.unlink()
+            continue
+        with os.fdopen(fd, "w") as file:
+            json.dump(me, file)
+        return None
+    return f"{path} keeps being taken by other runs: give this run a folder of its own."
+
+
+def _alive(holder: dict, me: dict) -> bool:
+    """Whether the run that wrote a lock may still be running: a process of this machine that
+    exists, or any process of another machine (which this one cannot see), unless it was an
+    earlier attempt of this same torchrun job (torchrun restarts a group only once it stopped)."""
+    if me["torchrun_job"] and holder.get("torchrun_job") == me["torchrun_job"]:
+        return False
+    if holder.get("host") != me["host"]:
+        return True
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, TypeError, ValueError):
+        return True  # another user's process, or a lock this code did not write
+    return True

@@ -114,8 +114,10 @@ def children(pid: int) -> list[int]:
 
 def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
     """SIGKILL one of the processes `python train.py parallel=ddp` started: the others stop,
-    the command fails within 30 s naming the rank, and no process is left."""
-    tmp_path.mkdir(exist_ok=True)
+    the command fails within 30 s naming the rank, and no process is left, nor any folder in
+    the temporary directory (the workers' error files)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir(parents=True)
     main = subprocess.Popen(
         [
             sys.executable,
@@ -130,7 +132,7 @@ def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
             *defaults_for_tests([]),
         ],
         cwd=tmp_path,
-        env=offline_env(),
+        env=offline_env(TMPDIR=str(temporary)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -147,6 +149,7 @@ def test_a_killed_self_launched_worker_stops_the_run(tmp_path, tiny_data):
     assert main.returncode != 0
     assert "rank 1: Signal 9 (SIGKILL)" in output, output
     wait_until(lambda: processes_in(tmp_path) == [], timeout=10)
+    assert not [p for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "train-"))]
 
 
 def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
@@ -314,8 +317,10 @@ if __name__ == "__main__":  # the DDP workers import this file too
 
 def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, tiny_data):
     """Whatever cloudpickle is installed: the workers import the function by module and name,
-    never from the file its code object names (cloudpickle 3.1.3 names '<dynamic-code>')."""
-    payload, script = tmp_path / "train.pkl", tmp_path / "job.py"
+    never from the file its code object names (cloudpickle 3.1.3 names '<dynamic-code>'). The
+    workers' error files leave no folder behind in the temporary directory."""
+    payload, script, temporary = tmp_path / "train.pkl", tmp_path / "job.py", tmp_path / "tmp"
+    temporary.mkdir()
     pickle_it = (
         "import cloudpickle, src.run; cloudpickle.register_pickle_by_value(src.run); "
         f"open({str(payload)!r}, 'wb').write(cloudpickle.dumps(src.run.train))"
@@ -327,7 +332,9 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
         f"data.root={tiny_data}", "logger=none", "parallel=ddp", "parallel.nproc_per_node=2",
         "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", *defaults_for_tests([]),
     ]  # fmt: skip
+    env["TMPDIR"] = str(temporary)
     result = ok(run([sys.executable, str(script), *overrides], cwd=tmp_path, env=env))
+    assert not [p for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "train-"))]
     assert "rank 0 returned" in result.stdout
     assert "DDP: 2 processes" in printed(result)
     assert read_metrics(tmp_path / "run")[1], "the job trained and evaluated"

@@ -16,6 +16,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import threading
 from contextlib import contextmanager
@@ -384,3 +385,46 @@ def test_a_run_folder_moved_during_the_run_stops_and_resumes_from_its_new_place(
     assert not run_dir.exists() and not partial_files(moved)
     ok(train([*overrides, f"hydra.run.dir={moved}"], tmp_path))
     assert_same_training(moved, uninterrupted)
+
+
+def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lock_taken_over(
+    start, tmp_path, tiny_data
+):
+    """A run holds its folder (run.lock: its process id and host) until it ends. A second run
+    into it while the first trains, alone or as a DDP group, is refused with one sentence naming
+    the holder, on every rank, and writes nothing there; a run SIGKILLed leaves its lock, which
+    the next run into the folder takes over (its holder is gone), and removes when it ends."""
+    run_dir, host = tmp_path / "run", socket.gethostname()
+    overrides = [f"data.root={tiny_data}", f"hydra.run.dir={run_dir}"]
+    first = start([*overrides, *LONG], tmp_path / "first")
+    lock = run_dir / storage.LOCK
+    wait_for(lambda: (run_dir / "config_resolved.yaml").exists(), first)
+    assert json.loads(lock.read_text()) == {"pid": first.pid, "host": host, "torchrun_job": None}
+    config = (run_dir / "config_resolved.yaml").read_bytes()
+    refused = (
+        f"{run_dir} is in use by another run (process {first.pid} on {host}): give this run a "
+        "folder of its own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
+        f"running, delete {lock}."
+    )
+    alone = train([*overrides, *RUN, "optimizer.lr=0.5"], tmp_path / "second")
+    group = train([*overrides, *RUN, "parallel=ddp"], tmp_path / "group", nproc=2)
+    for result in (alone, group):
+        assert result.returncode != 0 and refused in printed(result), printed(result)
+    assert "Traceback" not in printed(alone), printed(alone)
+    # Each rank stops with it: rank 0 says it, torchrun's report of the group quotes every rank.
+    assert re.search(r"rank\s+: 1 .*\n.*\n.*\n\s+traceback : " + re.escape(refused), printed(group))
+    assert (run_dir / "config_resolved.yaml").read_bytes() == config and first.poll() is None
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert json.loads(lock.read_text())["pid"] == first.pid  # left behind
+    result = ok(
+        train(
+            [*overrides, *RUN, "train=false", "ckpt_path=" + str(run_dir / "checkpoints/last.pt")],
+            tmp_path / "third",
+        )
+    )
+    assert (
+        f"{lock} was left by a run that ended without removing it (process {first.pid} on "
+        f"{host}): this run takes the folder over" in printed(result)
+    )
+    assert not lock.exists() and (run_dir / "metrics.jsonl").exists()
