@@ -582,23 +582,27 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape)) or "scalar"
 
 
-def restore(state: dict[str, Any], parts: Parts, process: Process) -> bool:
-    """Continue the optimizer, the schedule, the loss scale and this rank's random streams from
-    `state`.
+def restore(
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    process: Process,
+) -> bool:
+    """Continue the optimizer's state, the loss scale and this rank's random streams from
+    `state` (the schedule is this config's, stepped to where it stood: `resume.replan`).
 
-    Call after the scheduler is built: building one resets the optimizer's learning rate.
     Returns False when the random streams could not continue (another number of processes).
     """
-    model = unwrap(parts.model)
+    model = unwrap(model)
     if SHARDS in state:  # checkpoint.sharded=true: each rank reads its own parts
-        fsdp.load_sharded(model, Path(state[SHARDS]), parts.optimizer)  # the model's: build_model
+        fsdp.load_sharded(model, Path(state[SHARDS]), optimizer)  # the model's: build_model
     elif fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
-        fsdp.load_optimizer_state(model, parts.optimizer, state["optimizer"])
+        fsdp.load_optimizer_state(model, optimizer, state["optimizer"])
     else:
-        parts.optimizer.load_state_dict(state["optimizer"])
-    parts.scheduler.load_state_dict(state["scheduler"])
+        optimizer.load_state_dict(state["optimizer"])
     if state.get("scaler"):  # {} from a run without float16's loss scaling: start a fresh scale
-        parts.scaler.load_state_dict(state["scaler"])
+        scaler.load_state_dict(state["scaler"])
     if len(state["rng"]) != process.world_size:
         log.warning(
             "The checkpoint was saved by %d processes and this run has %d: weights, optimizer, "

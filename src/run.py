@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from src import checkpoint, distributed, drift, plots, storage
+from src import checkpoint, distributed, drift, plots, resume, storage
 from src.checkpoint import Checkpointer, Parts
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
@@ -64,6 +64,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             resumed = checkpoint.find_resume(cfg, run_dir, process)
             # The config as this run uses it, interpolations resolved; saved with each checkpoint.
             config = OmegaConf.to_container(cfg, resolve=True)
+            if resumed:  # what this config changes from the checkpoint's: applied, or refused
+                resume.check_changes(resumed[1].get("config"), config, resumed[0])
             write_config(config, run_dir, process, resumed and (resumed[0], resumed[1]["step"]))
             weights = resumed or checkpoint.find_weights(cfg, process)
             with open_logger(
@@ -78,6 +80,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 model = build_model(cfg, trainer, process, weights, data, task)
                 if cfg.train:
                     state = resumed and resumed[1]
+                    if state:  # a mid-epoch checkpoint, in this config's batches
+                        resume.rebatch(state, cfg.data.batch_size, data.size("train"))
                     parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, state)
                     saver = Checkpointer(
                         settings.checkpoint,
@@ -186,15 +190,21 @@ def build_parts(
     """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
     the checkpoint `state` training resumes."""
     optimizer = instantiate(cfg.optimizer, model.parameters())
+    settings = resume.settings_of(optimizer)  # this config's lr, momentum, ...
+    scaler_type = ShardedGradScaler if process.mode == "fsdp" else torch.amp.GradScaler
+    # float16 gradients underflow without loss scaling; for other precisions it is off. FSDP's
+    # ranks each see a part of the gradients: its scaler agrees with the others on overflows.
+    scaler = scaler_type(process.device.type, enabled=trainer.precision == "16")
+    continued = bool(state) and checkpoint.restore(state, model, optimizer, scaler, process)
+    if state:  # the optimizer's moments continue, its settings and its schedule are this config's
+        resume.apply_settings(optimizer, settings)
     total_steps = steps_per_epoch * trainer.epochs
     total_steps = min(total_steps, trainer.max_steps or total_steps)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    # float16 gradients underflow without loss scaling; for other precisions it is off. FSDP's
-    # ranks each see a part of the gradients: its scaler agrees with the others on overflows.
-    scaler_type = ShardedGradScaler if process.mode == "fsdp" else torch.amp.GradScaler
-    scaler = scaler_type(process.device.type, enabled=trainer.precision == "16")
-    parts = Parts(model, optimizer, scheduler, scaler)
-    if not (state and checkpoint.restore(state, parts, process)):
+    if state:
+        resume.replan(scheduler, state["scheduler"]["last_epoch"])
+    if not continued:
         seed_everything(cfg.seed + process.rank)  # each rank its own dropout stream
         distributed.seed_dp_replicas(process, cfg.seed)  # and under dp, each GPU's replica
+    parts = Parts(model, optimizer, scheduler, scaler)
     return parts

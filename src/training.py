@@ -196,8 +196,10 @@ def fit(
 
 def why_finished(progress: Progress, trainer: Trainer) -> str:
     """Why training is over (all epochs done, `max_steps` reached, stopped early), or "" if not."""
-    if progress.step == trainer.max_steps:
-        return f"trainer.max_steps={progress.step} optimizer steps done"
+    if trainer.max_steps is not None and progress.step >= trainer.max_steps:
+        return (
+            f"trainer.max_steps={trainer.max_steps} reached: {progress.step} optimizer steps done"
+        )
     best, patience = progress.best, trainer.early_stopping_patience
     if best is not None and patience is not None and best.stale >= patience:
         return (

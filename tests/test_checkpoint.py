@@ -507,3 +507,86 @@ def test_wandb_continues_the_same_run_on_resume(tmp_path, tiny_data):
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(first_id) for r in runs), runs
     assert last(tmp_path / "run")["wandb_id"] == first_id
+
+
+@pytest.mark.parametrize("scheduler", ["none", "step", "cosine", "onecycle"])
+def test_continuing_for_more_epochs_replans_each_shipped_schedule(tmp_path, tiny_data, scheduler):
+    """The README's "continues it for epochs 3 and 4": the resumed epochs train at the rates a
+    fresh 4-epoch run has there (cosine's and onecycle's plans span the run: re-planned for 4
+    epochs, stepped to where training stands), and the changed key is said in one line."""
+    common = [f"data.root={tiny_data}", *RUN, f"scheduler={scheduler}"]
+    fresh, continued = tmp_path / "fresh", tmp_path / "continued"
+    ok(train([*common, "trainer.epochs=4", f"hydra.run.dir={fresh}"], tmp_path))
+    ok(train([*common, "trainer.epochs=2", f"hydra.run.dir={continued}"], tmp_path))
+    result = ok(train([*common, "trainer.epochs=4", f"hydra.run.dir={continued}"], tmp_path))
+    assert "trainer.epochs 2 → 4 from this config" in printed(result)
+    rates = [[m["lr"] for m in read_metrics(run)[0] if m["step"] > 8] for run in (fresh, continued)]
+    assert len(rates[0]) == 8 and rates[1] == rates[0]
+    if scheduler in ("cosine", "onecycle"):  # the plan of 2 epochs would have other rates here
+        assert len(set(rates[0])) > 1
+
+
+def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_cannot_change(
+    tmp_path, tiny_data
+):
+    """optimizer.lr and momentum changed on resume: the steps after it use them (not the
+    checkpoint's), as config_resolved.yaml records, each said in one line. trainer.max_steps at
+    or below the checkpoint's step: nothing left to train. Another optimizer class, seed or
+    validation split: one sentence, before any work."""
+    run_dir = tmp_path / "run"
+    common = [f"data.root={tiny_data}", *RUN, f"hydra.run.dir={run_dir}"]
+    ok(train([*common, "trainer.epochs=1"], tmp_path))
+    changed = ["trainer.epochs=2", "optimizer.lr=0.5", "optimizer.momentum=0.9"]
+    result = ok(train([*common, *changed], tmp_path))
+    for line in ("optimizer.lr 0.01 → 0.5 from", "optimizer.momentum 0.0 → 0.9 from"):
+        assert line in printed(result)
+    steps = read_metrics(run_dir)[0]
+    assert [m["lr"] for m in steps if m["step"] > 4] == [0.5] * 4
+    assert last(run_dir)["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    assert "lr: 0.5" in (run_dir / "config_resolved.yaml").read_text()
+    result = ok(train([*common, "trainer.epochs=2", "trainer.max_steps=3", *changed[1:]], tmp_path))
+    assert (
+        "Nothing left to train: the checkpoint is at the end of this run (trainer.max_steps=3 "
+        "reached: 8 optimizer steps done)." in printed(result)
+    )
+    assert last(run_dir)["step"] == 8 and len(read_metrics(run_dir)[0]) == 8
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    for override, message in {
+        "optimizer=adam": f"{checkpoint} was trained with torch.optim.SGD, and this config's "
+        "optimizer is torch.optim.Adam: its state cannot continue in another optimizer. Resume "
+        "with the checkpoint's optimizer, or start from its weights with a fresh one: "
+        f"init_from={checkpoint}.",
+        "seed=2": f"seed=2, and {checkpoint} was trained with seed=1: it decides which images "
+        "train and validate, in what order, so it cannot change in a resumed run. Resume with "
+        f"seed=1, or start a new run from its weights: init_from={checkpoint}.",
+        "data.val_size=40": "data.val_size=40, and",
+        "scheduler=onecycle": "scheduler.interval=step, and",
+    }.items():
+        result = train([*common, "trainer.epochs=3", override], tmp_path)
+        assert result.returncode == 1 and message in printed(result), printed(result)
+        assert "Traceback" not in printed(result)
+    assert last(run_dir)["step"] == 8
+
+
+def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(
+    tmp_path, tiny_data
+):
+    """A checkpoint 2 batches of 64 into epoch 1 (128 of its 200 images), resumed with batch
+    size 32: 4 batches of 32 are done, and the epoch ends after the 72 images left (32, 32, 8).
+    Batch size 48 does not divide 128: refused, with the sizes that do."""
+    run_dir = tmp_path / "run"
+    common = [f"data.root={tiny_data}", *RUN, f"hydra.run.dir={run_dir}", "trainer.epochs=1"]
+    ok(train([*common, "trainer.max_steps=2", "checkpoint.every_n_steps=2"], tmp_path))
+    assert (last(run_dir)["epoch"], last(run_dir)["epoch_step"]) == (1, 2)
+    result = train([*common, "data.batch_size=48"], tmp_path)
+    assert result.returncode == 1
+    assert (
+        "The checkpoint stands 128 images into epoch 1 (2 batches of 64), which "
+        "data.batch_size=48 does not divide: resume with one that does (16, 32, 64), or from a "
+        "checkpoint at the end of an epoch." in printed(result)
+    )
+    result = ok(train([*common, "data.batch_size=32"], tmp_path))
+    assert "The checkpoint's 2 batches of 64 into epoch 1 are 4 batches of 32" in printed(result)
+    assert "Resuming at epoch 1, after 4 of its batches, step 2" in printed(result)
+    state = last(run_dir)
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 7, 5)

@@ -263,5 +263,5 @@ def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
         "rng": [rng_state()],
     }
     assert state["scaler"] == {}
-    assert restore(state, resumed, Process())
+    assert restore(state, resumed.model, resumed.optimizer, resumed.scaler, Process())
     assert resumed.scaler.get_scale() == 2.0**16
