@@ -126,6 +126,13 @@ def load_optimizer_state(
     names = {id(p): name for name, p in model.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = _rekeyed(state, ordered)
+    # PyTorch maps each saved group key onto the optimizer's own: one it lacks (the initial_lr of
+    # the saved run's schedule, built here after this) is left out. The settings are this
+    # config's anyway (resume.apply_settings); only the moments continue.
+    state["param_groups"] = [
+        {k: v for k, v in saved.items() if k in group or k == "params"}
+        for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
+    ]
     # Not strict: parameters that never had a gradient have no state, as in a plain optimizer.
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)
