@@ -287,10 +287,65 @@ def check_data(cfg: DictConfig) -> None:
         _check_type(f"data.{key}", value, annotation)
         if low is not None:
             _at_least(f"data.{key}", value, low)
+    names, classes = cfg.data.get("class_names"), cfg.data.get("num_classes")
+    if names is not None and not OmegaConf.is_list(names):
+        _refuse("data.class_names", names, "a list of names, [a,b,...], or null")
+    if names is not None and isinstance(classes, int) and len(names) != classes:
+        raise UserError(
+            f"data.class_names has {len(names)} names, and data.num_classes={classes}: give one "
+            "name per class, in the order of their numbers (or null: the numbers themselves)."
+        )
     std = cfg.data.get("std")
     stds = list(std) if OmegaConf.is_list(std) else [std]
     if std is not None and any(isinstance(s, (int, float)) and s <= 0 for s in stds):
         _refuse("data.std", std, "the pixels' standard deviation, above 0 (null computes it)")
+
+
+# The parallel keys each mode's config may have: what each takes (a choice, or a type and its
+# least value, exclusive where it is a number of seconds or MiB).
+_PARALLEL_KEYS: dict[str, tuple[str, Any]] = {
+    "nproc_per_node": ("int | None", 1),
+    "backend": ("choice", ("auto", "nccl", "gloo")),
+    "init_method": ("choice", ("env://", "tcp://", "file://")),  # the start of the URL
+    "timeout": ("float", 0),
+    "bucket_cap_mb": ("float", 0),
+    "find_unused_parameters": ("bool", None),
+    "gradient_as_bucket_view": ("bool", None),
+    "static_graph": ("bool", None),
+    "sync_batchnorm": ("bool", None),
+    "reshard_after_forward": ("bool", None),
+}
+
+
+def check_parallel(cfg: DictConfig) -> None:
+    """Refuse a `parallel.*` value of the wrong type, range or choice by its key, before any
+    process starts (`parallel.timeout=abc`, `parallel.backend=mpi2`)."""
+    for key, (kind, allowed) in _PARALLEL_KEYS.items():
+        if key not in cfg.parallel:
+            continue
+        value, name = cfg.parallel[key], f"parallel.{key}"
+        if kind != "choice":
+            _check_type(name, value, kind)
+            if kind == "int | None":
+                _at_least(name, value, allowed, nullable=True)
+            elif allowed is not None and not value > allowed:
+                _refuse(name, value, f"a number above {allowed}")
+        elif key == "init_method" and not (isinstance(value, str) and value.startswith(allowed)):
+            _refuse(name, value, "env:// (torchrun's variables), tcp://HOST:PORT or file://PATH")
+        elif key != "init_method" and value not in allowed:
+            _refuse(name, value, f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """`resume` is auto, null or a path; `init_from` and `ckpt_path` null or a path."""
+    resume = cfg.get("resume")
+    if not (resume is None or isinstance(resume, str)):
+        _refuse(
+            "resume", resume, "auto (the run folder's last.pt), null (never) or a checkpoint's path"
+        )
+    for key in ("init_from", "ckpt_path"):
+        if not (cfg.get(key) is None or isinstance(cfg.get(key), str)):
+            _refuse(key, cfg.get(key), "null or a checkpoint's path")
 
 
 def read_settings(cfg: DictConfig) -> Settings:
@@ -310,6 +365,8 @@ def read_settings(cfg: DictConfig) -> Settings:
             f"data's input_shape, or set {err.full_key}=... yourself."
         ) from None
     check_data(cfg)
+    check_parallel(cfg)
+    check_paths(cfg)
     _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
     share = isinstance(val_size, float) and 0 < val_size < 1

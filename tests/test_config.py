@@ -235,6 +235,25 @@ def test_every_yaml_key_has_a_comment():
             "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
         ),
         ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
+        ("parallel=ddp parallel.nproc_per_node=two", "^parallel.nproc_per_node=two is not "
+         "allowed: use null or a whole number.$"),
+        ("parallel=ddp parallel.backend=mpi2", "^parallel.backend=mpi2 is not allowed: use auto, "
+         "nccl or gloo.$"),
+        ("parallel=ddp parallel.timeout=-1", "^parallel.timeout=-1 is not allowed: use a number "
+         "above 0.$"),
+        ("parallel=fsdp parallel.timeout=abc", "^parallel.timeout=abc is not allowed: use a "
+         "number.$"),
+        ("parallel=ddp parallel.init_method=garbage://x", r"^parallel.init_method=garbage://x is "
+         r"not allowed: use env:// \(torchrun's variables\), tcp://HOST:PORT or file://PATH.$"),
+        ("parallel=ddp parallel.static_graph=yes", "^parallel.static_graph=yes is not allowed: "
+         "use true or false.$"),
+        ("resume=false", r"^resume=false is not allowed: use auto \(the run folder's last.pt\), "
+         r"null \(never\) or a checkpoint's path.$"),
+        ("init_from=1", "^init_from=1 is not allowed: use null or a checkpoint's path.$"),
+        ("data.class_names=[a,b]", r"^data.class_names has 2 names, and data.num_classes=10: "
+         r"give one name per class, in the order of their numbers \(or null: the numbers "
+         r"themselves\).$"),
+        ("data.class_names=abc", r"^data.class_names=abc is not allowed: use a list of names"),
         ("checkpoint.mode=maximum", "checkpoint.mode=maximum is not allowed: use max, min or null"),
         (
             "checkpoint.monitor=val/loss checkpoint.mode=max",
