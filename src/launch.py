@@ -59,8 +59,6 @@ def nproc_per_node(cfg: DictConfig) -> int:
     nproc, gpus = cfg.parallel.nproc_per_node, torch.cuda.device_count()
     if nproc is None:
         return gpus or 2
-    if nproc < 1:
-        raise UserError(f"parallel.nproc_per_node={nproc}: use 1 or more (or null for automatic).")
     if nproc > gpus > 0 and cfg.device in ("auto", "cuda"):
         raise UserError(
             f"parallel.nproc_per_node={nproc}, but {gpus} GPUs are visible: one process per GPU. "

@@ -235,6 +235,8 @@ def test_every_yaml_key_has_a_comment():
             "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
         ),
         ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
+        ("parallel=ddp parallel.nproc_per_node=0", "^parallel.nproc_per_node=0 is not allowed: "
+         "use null or at least 1.$"),
         ("parallel=ddp parallel.nproc_per_node=two", "^parallel.nproc_per_node=two is not "
          "allowed: use null or a whole number.$"),
         ("parallel=ddp parallel.backend=mpi2", "^parallel.backend=mpi2 is not allowed: use auto, "

@@ -127,7 +127,6 @@ def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
 @pytest.mark.parametrize(
     ("overrides", "nproc", "message"),
     [
-        (["parallel=ddp", "parallel.nproc_per_node=0"], None, "parallel.nproc_per_node=0: use 1"),
         ([], 2, "torchrun started 2 processes, but parallel=none trains in one"),
         (["parallel=ddp", "parallel.backend=nccl"], 2, "parallel.backend=nccl needs CUDA GPUs"),
         (["parallel=ddp", "parallel.backend=nccl"], None, "parallel.backend=nccl needs CUDA GPUs"),
