@@ -25,14 +25,14 @@ def benchmark(options: list[str], tmp_path, data, timeout: float = 600) -> list[
 @pytest.mark.slow
 def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
     """--fast (bf16, channels-last, torch.compile, warm-up steps) for the template and the bare
-    loop (under DDP: test_train's compiled warm-up)."""
-    options = ["--models=mlp", "--processes=1", "--repeats=1", "--workers=2", "--batch-size=32",
-               "--fast"]  # fmt: skip
+    loop (under DDP: test_train's compiled warm-up). The DataLoader's rows differ from the tensor
+    row by the loader alone, which the README command's rows run: each compiled row costs some
+    20 s of compiling on this CPU."""
+    options = ["--models=mlp", "--processes=1", "--repeats=1", "--batch-size=32",
+               "--loaders", "tensor", "bare", "--fast"]  # fmt: skip
     rows = benchmark(options, tmp_path, tiny_data)
     (out,) = tmp_path.iterdir()
-    assert [(r["processes"], r["loader"]) for r in rows] == [
-        ("1", loader) for loader in ("torch, 0 workers", "torch, 2 workers", "tensor", "bare loop")
-    ]
+    assert [(r["processes"], r["loader"]) for r in rows] == [("1", "tensor"), ("1", "bare loop")]
     assert all(float(r["images_per_s"]) > 0 for r in rows)
     assert "global batch 32" in (out / "table.md").read_text().splitlines()[0]
     assert (out / "images_per_s.png").stat().st_size > 0

@@ -302,25 +302,6 @@ def test_channels_last_cnn_trains_like_the_default_layout(tmp_path, tiny_data):
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4), (ours, ref)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_compiled_model_under_ddp_trains_and_saves_plain_weights(tmp_path, tiny_data, mode):
-    """torch.compile inside DDP's wrapper (around FSDP's): the losses of one eager process (which
-    2 eager processes train, to float32 rounding: tests/test_equivalence.py), and no _orig_mod.
-    prefix."""
-    overrides = [f"data.root={tiny_data}", *SMOKE, "trainer.max_steps=3"]
-    compiled = [*overrides, f"parallel={mode}", "trainer.compile=true"]
-    ok(train(compiled, tmp_path / "compiled", nproc=2))
-    ok(train(overrides, tmp_path / "eager"))
-    (steps, _), (reference, _) = (
-        read_metrics(single_run(tmp_path / name)) for name in ("compiled", "eager")
-    )
-    for ours, ref in zip(steps, reference, strict=True):
-        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4), (ours, ref)
-    saved = torch.load(single_run(tmp_path / "compiled") / "checkpoints" / "last.pt")
-    assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-
-
 def warmed_up_and_plain(tmp_path, overrides, nproc=None):
     """The same run with and without trainer.warmup_steps: metrics.jsonl lines and last.pt."""
     runs = {}
@@ -355,13 +336,26 @@ def test_warm_up_steps_are_undone(tmp_path, tiny_data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_warm_up_of_a_compiled_model_under_ddp_is_undone(tmp_path, tiny_data, mode):
-    overrides = [f"data.root={tiny_data}", *SMOKE, f"parallel={mode}", "optimizer=adam",
-                 "trainer.compile=true"]  # fmt: skip
-    (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, overrides, nproc=2)
+def test_a_compiled_model_under_ddp_trains_saves_plain_weights_and_undoes_its_warm_up(
+    tmp_path, tiny_data, mode
+):
+    """torch.compile inside DDP's wrapper (around FSDP's), 2 processes: the losses of one eager
+    process (which 2 eager processes train, to float32 rounding: tests/test_equivalence.py), no
+    _orig_mod. prefix; and trained after 2 warm-up steps, the same run to the bit, the momentum
+    buffers included."""
+    overrides = [f"data.root={tiny_data}", *SMOKE, "optimizer.momentum=0.9"]
+    compiled = [*overrides, f"parallel={mode}", "trainer.compile=true"]
+    (warm, saved_warm), (plain, saved_plain) = warmed_up_and_plain(tmp_path, compiled, nproc=2)
     assert without_timings(warm) == without_timings(plain)
     for key in ("model", "optimizer", "rng"):
         assert_identical(saved_warm[key], saved_plain[key], key)
+    assert list(saved_plain["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    ok(train(overrides, tmp_path / "eager"))
+    reference, _ = read_metrics(single_run(tmp_path / "eager"))
+    steps = [m for m in plain if "train/loss" in m]
+    assert len(steps) == len(reference) == 8
+    for ours, ref in zip(steps, reference, strict=True):
+        assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-4), (ours, ref)
 
 
 @pytest.mark.slow
