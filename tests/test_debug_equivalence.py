@@ -53,6 +53,7 @@ def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
     )
 
 
+@pytest.mark.slow
 def test_fsdp_processes_are_compared_when_the_config_chose_fsdp(tmp_path, tiny_data):
     """parallel=fsdp in the overrides: the processes compared shard the model, under the user's
     own FSDP settings (here the whole model as one unit)."""
@@ -66,6 +67,7 @@ def test_fsdp_processes_are_compared_when_the_config_chose_fsdp(tmp_path, tiny_d
     assert "parallel=fsdp and trainer.accumulate_grad_batches change only the speed" in output
 
 
+@pytest.mark.slow
 def test_batchnorm_without_sync_is_named(tmp_path, tiny_data):
     result = check(["model=cnn_bn"], tmp_path, tiny_data)
     assert result.returncode == 1 and "Traceback" not in printed(result)
@@ -77,6 +79,7 @@ def test_batchnorm_without_sync_is_named(tmp_path, tiny_data):
     ) in printed(result)
 
 
+@pytest.mark.slow
 def test_a_parameter_without_gradient_is_named(tmp_path, tiny_data):
     """DDP (find_unused_parameters=false) fails at the second step; the cause names the
     parameters that got no gradient."""
@@ -111,6 +114,7 @@ def test_randomness_and_weights_changed_on_one_rank_are_named(tmp_path, tiny_dat
     assert cause in printed(result)
 
 
+@pytest.mark.slow
 def test_a_transformer_with_adam_is_equivalent_in_float64(tmp_path, tiny_data):
     """A small ViT (biased attention projections) with Adam, 20 steps: the key projection's bias
     has a gradient that is 0 up to rounding, which Adam turns into steps; in float64 that noise

@@ -70,6 +70,7 @@ def test_a_rank_that_changes_a_weight_stops_the_run(tmp_path, tiny_data, every, 
     assert not (run_dir / "checkpoints" / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_ranks_that_start_from_other_weights_are_stopped(tmp_path, tiny_data):
     """A model seeded by its rank: DDP would copy rank 0's weights over rank 1's and hide it."""
     result = ddp(user_model("RankSeeded"), tmp_path, tiny_data)
@@ -96,7 +97,11 @@ def test_ranks_that_build_another_model_are_stopped(tmp_path, tiny_data):
 @pytest.mark.parametrize(
     ("other", "message"),
     [
-        ({"seed": 1}, "DDP rank 1 reads other labels for the first batch than rank 0 does"),
+        pytest.param(
+            {"seed": 1},
+            "DDP rank 1 reads other labels for the first batch than rank 0 does",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             {"train_size": 260},
             "The DDP ranks hold different training splits ([200, 210] images",

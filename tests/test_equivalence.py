@@ -77,9 +77,12 @@ MODES = {
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
     "fsdp2-kept-gathered": (["parallel=fsdp", "parallel.reshard_after_forward=false"], 2),
 }
-# Four self-launched processes on 2 cores is the slowest case, and ddp4 under torchrun shows the
-# same sums: it runs with the slow tests, as do FSDP's second examples.
-SLOW = ("ddp4-self-launched", "fsdp4", "fsdp2-root-only", "fsdp2-kept-gathered")
+# The main tier runs each mode, launcher and kind of split once: one process in micro-batches,
+# dp's fallback, DDP on 1, 2 and 3 ranks (3 split unevenly), in micro-batches, FSDP on 2 ranks and
+# self-launched. The other process counts and launchers, and FSDP's other settings, run with the
+# slow tests.
+SLOW = ("ddp4", "ddp4-self-launched", "ddp2-self-launched", "fsdp3", "fsdp4",
+        "fsdp2-accumulate2", "fsdp2-root-only", "fsdp2-kept-gathered")  # fmt: skip
 COMPARED = [
     pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODES if m != "none"
 ]

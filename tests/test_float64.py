@@ -74,15 +74,7 @@ MODES = {
     "batchnorm": (BATCH_NORM_EPOCH, None, None),
     "batchnorm-ddp1": ([*BATCH_NORM_EPOCH, "parallel=ddp"], 1, "batchnorm"),
 }
-# In the main tier: uneven shares over 3 ranks, and the cheap ones that run in the test's
-# process; the others (a float64 epoch under 2 to 4 ranks, the BatchNorm CNN) with the slow
-# tests.
-MAIN = ("dp-without-gpus", "ddp3", "none-accumulate2")
-COMPARED = [
-    m if m in MAIN else pytest.param(m, marks=pytest.mark.slow)
-    for m, (_, _, reference) in MODES.items()
-    if reference
-]
+COMPARED = [m for m, (_, _, reference) in MODES.items() if reference]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +108,9 @@ def relative(ours: float, reference: float) -> float:
     return abs(ours - reference) / max(abs(reference), 1e-300)
 
 
+# A whole epoch in each mode is the slow tier's proof (about 4 minutes of runs here); the main
+# tier's float32 comparison (tests/test_equivalence.py) runs each mode on 27 steps.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", COMPARED)
 def test_a_whole_float64_epoch_is_the_same_run_in_every_mode(runs, mode):
     """Every step's loss and learning rate, the validation and the test (their counts exactly)
@@ -146,6 +141,7 @@ def test_a_whole_float64_epoch_is_the_same_run_in_every_mode(runs, mode):
     assert worst <= RELATIVE and weight <= RELATIVE, (worst, weight)
 
 
+@pytest.mark.slow
 def test_the_float64_runs_really_trained(runs):
     """The comparison means something: the loss fell, the evaluation counted every image."""
     steps, evals, _ = runs["none"]

@@ -269,6 +269,7 @@ def test_bad_image_folders_are_named_before_training(tmp_path, how):
     assert not list((tmp_path / "images").glob(".*cache*")) or how != "truncated"
 
 
+@pytest.mark.slow
 def test_a_bad_image_stops_every_ddp_rank_at_once_with_its_name(tmp_path):
     """Found by the one process that decodes the images; both ranks stop with its sentence,
     before training, and no cache file is written."""

@@ -174,6 +174,7 @@ def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
     assert processes_in(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_bug_in_every_worker_is_shown_once_with_its_traceback(tmp_path, tiny_data):
     """Not a user mistake: a model whose forward raises a RuntimeError on every rank; one
     traceback, the first failing rank's, is printed."""
@@ -229,7 +230,7 @@ runpy.run_path(script, run_name="__main__")
     "launcher",
     [
         pytest.param("torch.distributed.run", marks=pytest.mark.slow),  # and in test_train.py
-        "torch.distributed.launch",
+        pytest.param("torch.distributed.launch", marks=pytest.mark.slow),
     ],
 )
 def test_ranks_starting_seconds_apart_share_one_run_folder(tmp_path, tiny_data, launcher):
@@ -315,6 +316,7 @@ if __name__ == "__main__":  # the DDP workers import this file too
 """
 
 
+@pytest.mark.slow
 def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, tiny_data):
     """Whatever cloudpickle is installed: the workers import the function by module and name,
     never from the file its code object names (cloudpickle 3.1.3 names '<dynamic-code>'). The

@@ -211,6 +211,7 @@ def test_clipping_under_ddp_clips_what_one_process_clips(tmp_path, tiny_data):
         torch.testing.assert_close(ddp_weights[name], tensor, rtol=0, atol=WEIGHT_ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_batchnorm_model_under_ddp_counts_what_its_checkpoint_counts(tmp_path, tiny_data, nproc):
     """BatchNorm's running statistics come from each rank's share: before each evaluation every

@@ -542,6 +542,7 @@ def first_epoch_by_rank(fork: Path) -> tuple[list[list[int]], list[float]]:
     return counts, sums
 
 
+@pytest.mark.slow
 def test_debug_equivalence_passes_for_the_worked_fork(tmp_path):
     """The page's `debug=equivalence` command on the fork: one process, micro-batches and 2 DDP
     processes train it alike (exit 0, the verdict printed)."""

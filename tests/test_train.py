@@ -128,10 +128,20 @@ def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
     ("overrides", "nproc", "message"),
     [
         ([], 2, "torchrun started 2 processes, but parallel=none trains in one"),
-        (["parallel=ddp", "parallel.backend=nccl"], 2, "parallel.backend=nccl needs CUDA GPUs"),
+        pytest.param(
+            ["parallel=ddp", "parallel.backend=nccl"],
+            2,
+            "parallel.backend=nccl needs CUDA GPUs",
+            marks=pytest.mark.slow,  # the same check as self-launched, under torchrun
+        ),
         (["parallel=ddp", "parallel.backend=nccl"], None, "parallel.backend=nccl needs CUDA GPUs"),
         (["device=cuda"], None, "device=cuda, but no CUDA GPU is visible"),
-        (["-m", "optimizer.lr=0.1,0.01"], 2, "Hydra multirun cannot run inside torchrun"),
+        pytest.param(
+            ["-m", "optimizer.lr=0.1,0.01"],
+            2,
+            "Hydra multirun cannot run inside torchrun",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_wrong_launch_says_what_to_do(tmp_path, tiny_data, overrides, nproc, message):
