@@ -175,8 +175,7 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
         Path(error_file).write_text(json.dumps(record))
     except Exception:  # noqa: BLE001 - recorded with its traceback, for the launcher to show
         ErrorHandler().record_exception(sys.exc_info()[1])
-    logging.shutdown()
-    sys.exit(1)
+    exit_worker(1)  # as recorded: the interpreter's teardown could turn it into a SIGABRT
 
 
 # Launcher plumbing: what torchrun and Hydra need from each other.
@@ -285,8 +284,9 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def exit_worker() -> None:
-    """End a torchrun worker whose work is done and flushed, skipping the interpreter's teardown.
+def exit_worker(status: int = 0) -> None:
+    """End a DDP worker whose work is done (or whose failure is recorded) with `status`, its
+    output flushed, skipping the interpreter's teardown.
 
     With the gloo backend, PyTorch can abort a process while the interpreter tears down
     ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed
@@ -300,4 +300,4 @@ def exit_worker() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
