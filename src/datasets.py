@@ -43,7 +43,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from src import storage
-from src.errors import UserError
+from src.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +192,19 @@ class IDX:
 
 def torchvision_dataset(name: str) -> type:
     """A class of torchvision.datasets by name (CIFAR10), or any class by its dotted path."""
-    if "." not in name:
-        import torchvision  # slow to import, and only needed here
+    try:
+        if "." not in name:
+            import torchvision  # slow to import, and only needed here
 
-        return getattr(torchvision.datasets, name)
-    module, _, attribute = name.rpartition(".")
-    return getattr(importlib.import_module(module), attribute)
+            return getattr(torchvision.datasets, name)
+        module, _, attribute = name.rpartition(".")
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise UserError(
+            f"data.torchvision_class={name} is no class that can be imported ({first_line(err)}): "
+            "name one of torchvision.datasets (SVHN, KMNIST, ...) or give a class's dotted path "
+            "(my_package.datasets.MyDataset)."
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

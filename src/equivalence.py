@@ -31,14 +31,13 @@ from pathlib import Path
 
 import torch
 from hydra.errors import CompactHydraException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src import checkpoint, distributed, drift, launch
 from src.data import Data
 from src.distributed import Process
-from src.errors import UserError, first_line
+from src.errors import UserError, first_line, instantiated
 from src.run import build_model, build_parts
 from src.settings import Trainer, read_settings
 from src.tasks import Task
@@ -175,7 +174,7 @@ def compared(
         one = layout_config(cfg, device, micro, "none", precision)
         trainer = read_settings(one).trainer
         configure_kernels(trainer)
-        data = instantiate(one.data)
+        data = instantiated("data", one.data)
         data.setup(process, trainer.dtype)
         return one, trainer, data
 
@@ -253,7 +252,7 @@ def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     configure_kernels(trainer)
     process = distributed.setup(cfg, trainer)
     try:
-        data = instantiate(cfg.data)
+        data = instantiated("data", cfg.data)
         data.setup(process, trainer.dtype)
         return train_layouts(cfg, trainer, settings.task, process, data)
     finally:

@@ -13,13 +13,13 @@ import logging
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src import checkpoint, distributed, drift, plots, resume, storage
 from src.checkpoint import Checkpointer, Parts
+from src.errors import instantiated
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
 from src.tasks import Task, preflight
@@ -28,6 +28,7 @@ from src.training import (
     build_scheduler,
     check_accumulation,
     check_count,
+    check_schedule,
     compiled,
     configure_kernels,
     evaluate_and_log,
@@ -71,7 +72,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             with open_logger(
                 cfg, run_dir, process, resumed
             ) as logger:  # finishes wandb on every exit
-                data = instantiate(cfg.data)
+                data = instantiated("data", cfg.data)
                 data.setup(process, trainer.dtype)
                 if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
                     drift.check_first_batch(data, process)
@@ -161,7 +162,7 @@ def build_model(
     seed_everything(cfg.seed)  # the same initial weights on every rank
     # Built in float32 (as the default dtype makes it), then cast: float64 starts from the same
     # weights as float32 does.
-    model = instantiate(cfg.model, **found).to(process.device, trainer.dtype)
+    model = instantiated("model", cfg.model, **found).to(process.device, trainer.dtype)
     preflight(model, data, task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:
@@ -189,7 +190,7 @@ def build_parts(
 ) -> Parts:
     """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
     the checkpoint `state` training resumes."""
-    optimizer = instantiate(cfg.optimizer, model.parameters())
+    optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
     settings = resume.settings_of(optimizer)  # this config's lr, momentum, ...
     scaler_type = ShardedGradScaler if process.mode == "fsdp" else torch.amp.GradScaler
     # float16 gradients underflow without loss scaling; for other precisions it is off. FSDP's
@@ -200,6 +201,7 @@ def build_parts(
         resume.apply_settings(optimizer, settings)
     total_steps = steps_per_epoch * trainer.epochs
     total_steps = min(total_steps, trainer.max_steps or total_steps)
+    check_schedule(cfg, total_steps, steps_per_epoch)  # its whole plan, before training
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     if state:
         resume.replan(scheduler, state["scheduler"]["last_epoch"])

@@ -34,10 +34,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 
-from src.errors import UserError, first_line
+from src.errors import UserError, first_line, instantiated
 
 
 class Task(Protocol):
@@ -179,12 +177,7 @@ REQUIRED = ("count", "loss", "sums", "metrics")
 
 def build(config: Any) -> Task:
     """The task `config` (the `task:` node) names, checked to have the contract's methods."""
-    try:
-        task = instantiate(config)
-    except InstantiationException as err:
-        if isinstance(err.__cause__, UserError):  # the task's own sentence, not Hydra's wrapping
-            raise err.__cause__ from None
-        raise
+    task = instantiated("task", config)
     if missing := [name for name in REQUIRED if not callable(getattr(task, name, None))]:
         raise UserError(
             f"task={config.get('_target_')} has no {', '.join(missing)}: a task needs count, "

@@ -19,14 +19,18 @@ from conftest import (
     run_dirs,
     train,
 )
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    MissingConfigException,
+)
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src.data import Data
-from src.errors import UserError
+from src.errors import UserError, instantiated
 from src.settings import _check_types, read_settings
-from src.training import build_scheduler
+from src.training import build_scheduler, check_schedule
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -321,6 +325,81 @@ def test_values_training_cannot_use_are_refused(override, message):
     read_settings(compose_config())  # the defaults pass
     with pytest.raises(UserError, match=message):
         read_settings(compose_config(*override.split()))
+
+
+STAND_IN = [torch.zeros(1, requires_grad=True)]  # a parameter to build an optimizer over
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("override", "group", "message"),
+    [
+        ("optimizer.lr=-1", "optimizer", r"^optimizer: torch.optim.SGD refuses a value \(Invalid "
+         r"learning rate: -1\)\. Fix the optimizer.\* keys \(python train.py --cfg job shows "
+         r"them\)\.$"),
+        ("optimizer=adam optimizer.lr=abc", "optimizer", r"^optimizer: torch.optim.Adam refuses a "
+         "value"),
+        ("+optimizer.foo=1", "optimizer", r"^optimizer: torch.optim.SGD does not take these keys "
+         r"\(SGD.__init__\(\) got an unexpected keyword argument 'foo'\)"),
+        ("+model.hiddn=3", "model", r"^model: src.models.MLP does not take these keys"),
+        ("model._target_=src.models.Nope", "model", r"^model._target_=src.models.Nope cannot be "
+         "imported: check its module and class name"),
+        ("task._target_=src.tasks.Nope", "task", r"^task._target_=src.tasks.Nope cannot be "
+         "imported"),
+    ],
+)  # fmt: skip
+def test_a_class_the_config_names_refusing_its_keys_is_one_sentence(override, group, message):
+    cfg = compose_config(*override.split())
+    args = (STAND_IN,) if group == "optimizer" else ()
+    with pytest.raises(UserError, match=message):
+        instantiated(group, cfg[group], *args, values=group == "optimizer")
+
+
+@pytest.mark.unit
+def test_an_error_of_the_class_itself_keeps_its_traceback():
+    """Only what the keys say is turned into a sentence: a value refused where values are not
+    the class's to check (a model's, a dataset's) stays Hydra's error, with its cause."""
+    with pytest.raises(InstantiationException) as raised:
+        instantiated("model", {"_target_": "builtins.int", "_args_": ["x"]})
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scheduler", GROUPS["scheduler"])
+def test_each_shipped_schedule_steps_through_its_plan(scheduler):
+    for interval in ("epoch", "step"):
+        cfg = compose_config(f"scheduler={scheduler}", f"scheduler.interval={interval}")
+        check_schedule(cfg, total_steps=40, steps_per_epoch=4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["scheduler=step", "scheduler.step_size=0"], r"^scheduler: torch.optim.lr_scheduler."
+         r"StepLR fails at its step 1 of 10 \(epochs\) with ZeroDivisionError: integer modulo by "
+         r"zero\. Fix the scheduler.\* keys"),
+        # OneCycleLR cannot step past its total_steps: a plan of 40 steps given 20.
+        (["scheduler=onecycle", "scheduler.total_steps=20"], r"^scheduler: torch.optim.lr_scheduler"
+         r".OneCycleLR fails at its step 21 of 40 \(optimizer steps\) with ValueError: Tried to "
+         "step 21 times"),
+        (["scheduler=cosine", "+scheduler.foo=1"], "^scheduler: torch.optim.lr_scheduler."
+         "CosineAnnealingLR does not take these keys"),
+    ],
+)  # fmt: skip
+def test_a_schedule_that_fails_partway_is_refused_before_training(overrides, message):
+    with pytest.raises(UserError, match=message):
+        check_schedule(compose_config(*overrides), total_steps=40, steps_per_epoch=4)
+
+
+def test_a_schedule_that_fails_partway_stops_the_run_before_it_trains(tmp_path, tiny_data):
+    run_dir = tmp_path / "run"
+    overrides = ["scheduler=step", "scheduler.step_size=0", f"hydra.run.dir={run_dir}"]
+    result = train([f"data.root={tiny_data}", "logger=none", *overrides], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "scheduler: torch.optim.lr_scheduler.StepLR fails at its step 1 of 1" in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == ""  # nothing trained
+    assert not (run_dir / "checkpoints").exists()
 
 
 @pytest.mark.unit

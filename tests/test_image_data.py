@@ -508,3 +508,20 @@ def test_any_torchvision_dataset_is_read_through_its_class(tmp_path, loader):
     with pytest.raises(UserError, match="torchvision's KMNIST not found in .*data.download=false"):
         ready(Data(dataset="src.datasets.Torchvision", torchvision_class="KMNIST",
                    download=False, in_channels=1, **common))  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("Nope", "module 'torchvision.datasets' has no attribute 'Nope'"),
+        ("my.mod.Cls", "No module named 'my'"),
+    ],
+)
+def test_a_torchvision_class_that_does_not_exist_is_named(name, why):
+    from src.datasets import torchvision_dataset
+
+    with pytest.raises(UserError) as raised:
+        torchvision_dataset(name)
+    assert str(raised.value).startswith(f"data.torchvision_class={name} is no class that can be")
+    assert why in str(raised.value) and "dotted path" in str(raised.value)
