@@ -528,10 +528,24 @@ def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str,
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
     check_architecture(model, path, {key: tuple(t.shape) for key, t in state_dict.items()})
+    check_finite(path, state_dict)
     note_conversion(model, path, {key: t.dtype for key, t in state_dict.items()})
     if not fsdp.is_sharded(model):
         model.load_state_dict(state_dict)
     return state_dict
+
+
+def check_finite(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Stop on weights that hold NaN or infinite values: a run from them would report a diverged
+    loss, and an evaluation of them chance-level figures, for a cause that is the file's."""
+    bad = [k for k, t in state_dict.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        named = ", ".join(bad[:3]) + (", …" if len(bad) > 3 else "")
+        raise UserError(
+            f"{path} holds weights that are not finite (NaN or infinite values in {named}): "
+            "nothing can be trained from them or evaluated. Use an earlier checkpoint (best.pt "
+            "is a second one), or start without it."
+        )
 
 
 def load_shards(model: nn.Module, path: Path, shards: str) -> None:

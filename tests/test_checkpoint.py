@@ -446,6 +446,10 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
         state = load(saved)
         state["model"]["fc1.weight"] = torch.zeros(128, 784)
         torch.save(state, path)
+    elif kind == "non-finite":  # a diverged run's weights, saved by a loop without our guard
+        state = load(saved)
+        state["model"]["fc2.bias"][3] = float("nan")
+        torch.save(state, path)
     return path
 
 
@@ -458,6 +462,7 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
         ("pickled-module", "(torch.nn.modules.linear.Linear), not only tensors"),
         ("not-a-checkpoint", "is not a checkpoint of this template: it has no model"),
         ("other-architecture", "fc1.weight 128×784 in the file, 512×784 in the model"),
+        ("non-finite", "holds weights that are not finite (NaN or infinite values in fc2.bias)"),
     ],
 )
 def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind, message):
@@ -466,6 +471,22 @@ def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind
     assert result.returncode != 0
     assert message in printed(result) and "Traceback" not in printed(result), printed(result)
     assert str(path) in printed(result)
+
+
+@pytest.mark.parametrize("given", ["init_from", "train=false ckpt_path"])
+def test_non_finite_weights_to_start_from_or_evaluate_are_named(tmp_path, tiny_data, saved, given):
+    """Not a diverged loss ("try a lower optimizer.lr") nor chance-level figures and exit 0: the
+    file's NaN, named before any work."""
+    path = bad_file("non-finite", saved, tmp_path)
+    overrides = [*given.split()[:-1], f"{given.split()[-1]}={path}"]
+    result = train([f"data.root={tiny_data}", "logger=none", *overrides], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in printed(result)
+    assert (
+        f"{path} holds weights that are not finite (NaN or infinite values in fc2.bias): nothing "
+        "can be trained from them or evaluated. Use an earlier checkpoint (best.pt is a second "
+        "one), or start without it."
+    ) in printed(result)
+    assert "optimizer.lr" not in printed(result) and "test acc" not in printed(result)
 
 
 def test_bad_checkpoint_under_ddp_stops_every_rank(tmp_path, tiny_data, saved):
