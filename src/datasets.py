@@ -118,6 +118,12 @@ def read_idx(path: Path) -> torch.Tensor:
             f"{header + math.prod(shape)} bytes, but it holds {len(raw)}. "
             "Replace it with a good copy."
         )
+    if not math.prod(shape):
+        raise UserError(
+            f"{path} holds no {'labels' if raw[3] == 1 else 'images'} (its header announces "
+            f"shape {shape}): a split cannot be empty. Replace it with a file that holds its "
+            "split, such as the original."
+        )
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
 
 
@@ -479,7 +485,7 @@ class ImageFolder:
             with Image.open(path) as image:
                 image.load()
                 return to_uint8(image, self.in_channels, self.image_size)
-        except (OSError, UnidentifiedImageError, SyntaxError) as err:
+        except UNREADABLE as err:
             raise unreadable(path, err) from None
 
     def fingerprint(self, dataset: Dataset) -> str:
@@ -504,7 +510,7 @@ def read_header(path: str) -> tuple[int, int]:
     try:
         with Image.open(path) as image:
             return image.size
-    except (OSError, UnidentifiedImageError, SyntaxError) as err:
+    except UNREADABLE as err:
         raise unreadable(path, err) from None
 
 
@@ -538,5 +544,15 @@ def eight_bits(image: Image.Image) -> Image.Image:
     return image
 
 
+# What Pillow raises for a file it cannot decode; and for one whose header announces more than
+# twice Image.MAX_IMAGE_PIXELS, a possible decompression bomb that it refuses to open.
+UNREADABLE = (OSError, UnidentifiedImageError, SyntaxError, Image.DecompressionBombError)
+
+
 def unreadable(path: str, err: Exception) -> UserError:
+    if isinstance(err, Image.DecompressionBombError):
+        return UserError(
+            f"{path} is too large to open: {first_line(err)} Replace it with a smaller copy, or "
+            "delete it."
+        )
     return UserError(f"{path} could not be read as an image ({err}). Replace or delete it.")

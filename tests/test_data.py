@@ -101,6 +101,12 @@ def test_corrupt_files_are_named(tmp_path):
     with pytest.raises(UserError, match="short is truncated or corrupt"):
         read_idx(raw)
 
+    for name, array in (("no-images", np.zeros((0, 28, 28), np.uint8)), ("no-labels", [])):
+        empty = write_idx(tmp_path / name, np.asarray(array, np.uint8))
+        what = name.removeprefix("no-")
+        with pytest.raises(UserError, match=rf"{name} holds no {what} \(its header announces "):
+            read_idx(empty)
+
 
 @pytest.mark.unit
 def test_files_that_do_not_match_are_refused(tmp_path):

@@ -4,6 +4,8 @@ same batches from both loaders, augmentation drawn per global batch, the decoded
 
 import logging
 import pickle
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -223,6 +225,17 @@ def test_a_cache_that_cannot_be_written_is_left_out_with_a_line(tmp_path, caplog
     assert not list(root.glob("*.partial")) and not list(root.glob(".*.partial"))
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG file's signature, header chunk (8-bit grey) and end: all Pillow reads to open it."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def bad(tmp_path, how: str):
     root = write_image_folder(tmp_path / "images", {"a": 4, "b": 4})
     if how == "empty class":
@@ -233,6 +246,9 @@ def bad(tmp_path, how: str):
         png.write_bytes(png.read_bytes()[:60])
     elif how == "not an image":
         (root / "test" / "b" / "003.png").write_text("not a picture")
+    elif how == "too large":  # a header announcing 20000×20000: Pillow refuses to open it
+        png = root / "train" / "a" / "001.png"
+        png.write_bytes(png_header(20000, 20000))
     elif how == "sizes":
         Image.new("RGB", (16, 16)).save(root / "train" / "b" / "009.png")
     elif how == "not square":
@@ -254,6 +270,8 @@ BAD = {
     "needs at least one image; remove empty ones",
     "truncated": r"train/a/002.png could not be read as an image .*Replace or delete it",
     "not an image": r"test/b/003.png could not be read as an image .*Replace or delete it",
+    "too large": r"train/a/001.png is too large to open: Image size \(400000000 pixels\) exceeds "
+    r"limit .* Replace it with a smaller copy, or delete it\.$",
     "sizes": r"is 12×12 but .*train/b/009.png is 16×16: set data.image_size",
     "not square": r"The images are 16×12, not square: set data.image_size \(e.g. 12\)",
     "classes": r"images/test has the classes \['a', 'c'\] but .*images/train has \['a', 'b'\]",
