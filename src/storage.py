@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
@@ -265,3 +266,47 @@ def _alive(holder: dict, me: dict) -> bool:
     except (PermissionError, KeyError, TypeError, ValueError):
         return True  # another user's process, or a lock this code did not write
     return True
+
+
+def check_run_folder(folder: Path) -> None:
+    """The run folder `hydra.run.dir` names can be made and written: a path through a file, or a
+    folder on a read-only file system or without write permission, is one sentence naming it
+    (Hydra's own attempt, a moment later, would fail with tracebacks)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(
+            f"hydra.run.dir={folder} cannot be a folder: {existing} is a file. Choose another "
+            "hydra.run.dir."
+        )
+    if not os.access(existing, os.W_OK):
+        try:  # os.access passes root on a read-only file system; a statvfs flag says it
+            read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        except OSError:
+            read_only = False
+        why = "the file system is read-only" if read_only else "permission is denied"
+        raise UserError(
+            f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
+            "you can write to (hydra.run.dir=...), or make that one writable."
+        )
+
+
+class RunFolderCheck:
+    """A Hydra callback (conf/config.yaml's hydra.callbacks): the run folder checked before Hydra
+    makes it and writes its logs and .hydra/ files there.
+
+    Hydra turns an exception of a callback into a warning and goes on (hydra/_internal/
+    callbacks.py), so a folder that cannot be used ends the process here, with its sentence."""
+
+    def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:  # interpolations resolve here as Hydra resolves them; one that needs Hydra's own
+            folder = OmegaConf.select(config, "hydra.run.dir")  # state is left to Hydra
+        except OmegaConfBaseException:
+            return
+        try:
+            check_run_folder(Path(str(folder)).expanduser().absolute())
+        except UserError as err:
+            print(err, file=sys.stderr)
+            raise SystemExit(1) from None

@@ -434,3 +434,36 @@ def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lo
         f"{host}): this run takes the folder over" in printed(result)
     )
     assert not lock.exists() and (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_run_folder_that_cannot_be_made_or_written_is_named(tmp_path, small_disk):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for folder in (afile, afile / "run"):
+        with pytest.raises(UserError) as refused:
+            storage.check_run_folder(folder)
+        assert str(refused.value) == (
+            f"hydra.run.dir={folder} cannot be a folder: {afile} is a file. Choose another "
+            "hydra.run.dir."
+        )
+    storage.check_run_folder(small_disk / "run")  # writable: made later by Hydra
+    assert mount("-o", "remount,ro", str(small_disk)).returncode == 0
+    with pytest.raises(UserError) as refused:
+        storage.check_run_folder(small_disk / "run")
+    assert str(refused.value) == (
+        f"hydra.run.dir={small_disk / 'run'} cannot be written: the file system is read-only at "
+        f"{small_disk}. Choose a folder you can write to (hydra.run.dir=...), or make that one "
+        "writable."
+    )
+
+
+def test_a_file_as_the_run_folder_stops_the_run_with_one_sentence(tmp_path, tiny_data):
+    """Checked by a Hydra callback before Hydra makes the folder (where it failed with a
+    FileExistsError traceback)."""
+    (tmp_path / "afile").write_text("")
+    run_dir = f"hydra.run.dir={tmp_path / 'afile'}"
+    result = train([f"data.root={tiny_data}", "logger=none", run_dir], tmp_path)
+    assert result.returncode == 1 and printed(result).strip() == (
+        f"hydra.run.dir={tmp_path / 'afile'} cannot be a folder: {tmp_path / 'afile'} is a file. "
+        "Choose another hydra.run.dir."
+    )
