@@ -22,6 +22,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
+from hydra.experimental.callback import Callback
+
 from src.errors import UserError
 
 if TYPE_CHECKING:
@@ -290,7 +292,7 @@ def check_run_folder(folder: Path) -> None:
         )
 
 
-class RunFolderCheck:
+class RunFolderCheck(Callback):
     """A Hydra callback (conf/config.yaml's hydra.callbacks): the run folder checked before Hydra
     makes it and writes its logs and .hydra/ files there.
 
