@@ -77,7 +77,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
     the function object itself may have reached this process pickled by value (submitit does
     that to train.py's functions), and nothing it carries says where its code lives.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     target = importable_name(train)
@@ -106,11 +106,21 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
         OmegaConf.to_container(hydra.job_logging, resolve=True),
         max(1, (os.cpu_count() or 1) // nproc),
     )
-    # The launcher logs each failure with its own traceback; the first one is reported below.
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level, elastic_log.level = elastic_log.level, logging.CRITICAL
+    # The launcher logs each failure with its own traceback, and a signal it passes on; the
+    # first failure is reported below, and the workers say what a signal did. Each of its modules
+    # sets its own logger's level, so each is quietened.
+    elastic = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic")
+    ]
+    levels = [logger.level for logger in elastic]
+    for logger in elastic:
+        logger.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker)(*args)
+    except SignalException:  # SIGTERM or Ctrl-C: passed on to the workers, which stopped at a
+        raise SystemExit(1) from None  # step, saved, and said so (rank 0's stop sentence)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message
@@ -120,7 +130,8 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
             message = f"rank {rank}: {message}. The other processes were stopped."
         raise WorkerFailed(message) from None
     finally:
-        elastic_log.setLevel(level)
+        for logger, level in zip(elastic, levels, strict=True):
+            logger.setLevel(level)
         shutil.rmtree(logs, ignore_errors=True)
     return results[0]
 

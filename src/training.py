@@ -14,6 +14,7 @@ import random
 import resource
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -40,6 +41,11 @@ from src.settings import Settings, Trainer
 from src.tasks import Task
 
 log = logging.getLogger(__name__)
+
+# One process draws the bar. tqdm's default lock is a multiprocessing one, for bars of several
+# processes on one terminal; in a spawned DDP worker, which ends without the interpreter's
+# teardown (launch.exit_worker), it would be reported as a leaked semaphore.
+tqdm.set_lock(threading.RLock())
 
 
 def seed_everything(seed: int) -> None:

@@ -160,6 +160,39 @@ def test_signal_stops_at_a_step_saves_and_the_next_launch_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "whom"), [(signal.SIGTERM, "the launcher"), (signal.SIGINT, "every process")]
+)
+def test_a_signal_to_a_self_launched_ddp_run_ends_with_the_stop_sentence_alone(
+    tmp_path, tiny_data, signum, whom
+):
+    """parallel=ddp without torchrun: SIGTERM to the process that started the workers (as a
+    scheduler sends it), or Ctrl-C (SIGINT to the terminal's whole process group). The workers
+    stop at a step and save; the output ends with rank 0's sentence, no traceback of the
+    launcher's, no leaked semaphore of a worker's."""
+    run_dir = tmp_path / "run"
+    overrides = [f"data.root={tiny_data}", *RUN, "data.batch_size=8", "trainer.epochs=1000",
+                 "parallel=ddp", "parallel.nproc_per_node=2",
+                 f"hydra.run.dir={run_dir}"]  # fmt: skip
+    process = start(overrides, tmp_path / "first", start_new_session=True)
+    wait_for(lambda: metric_lines(run_dir) >= 3, process)
+    if whom == "the launcher":
+        process.send_signal(signum)
+    else:
+        os.killpg(process.pid, signum)
+    assert process.wait(timeout=60) == 1
+    output = (tmp_path / "first" / "log").read_text()
+    stopped = last(run_dir)["step"]
+    sentence = (
+        f"Stopped by a signal after step {stopped}; {run_dir}/checkpoints/last.pt is saved. Run "
+        f"the same command with hydra.run.dir={run_dir} to resume."
+    )
+    assert output.rstrip().endswith(sentence) and output.count("Stopped by a signal") == 1, output
+    for noise in ("Traceback", "Error executing job", "leaked semaphore", "death signal"):
+        assert noise not in output, output
+
+
+@pytest.mark.slow
 def test_kill_during_checkpoint_writes_never_damages_last_pt(tmp_path, tiny_data):
     """SIGKILL at random moments of a run that rewrites a 6 MB last.pt every step: last.pt always
     loads, and the run still resumes from it."""
