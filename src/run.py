@@ -31,9 +31,12 @@ from src.training import (
     check_schedule,
     compiled,
     configure_kernels,
+    during_the_test,
     evaluate_and_log,
     fit,
+    interrupted,
     seed_everything,
+    signals_interrupt,
     test,
 )
 
@@ -54,12 +57,14 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     trainer, task = settings.trainer, settings.task
     configure_kernels(trainer)
     process = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
+    # Where a signal outside training (SIGTERM, Ctrl-C) finds the run, and what is kept.
+    when = "before training; nothing was saved" if cfg.train else "during the evaluation"
     try:
         if cfg.train:  # each rank's share of a batch splits into the micro-batches asked for
             check_accumulation(trainer, cfg.data.batch_size, process.world_size)
         run_dir = distributed.shared_run_dir(process, run_dir)
         log.info("Run folder: %s", run_dir)
-        with storage.held(run_dir, process):  # one run per folder: a second is refused
+        with storage.held(run_dir, process), signals_interrupt():  # one run per folder
             # (path, checkpoint): the one training continues from, else the one whose weights it
             # starts from (init_from) or evaluates (train=false ckpt_path=...); None: fresh weights.
             resumed = checkpoint.find_resume(cfg, run_dir, process)
@@ -96,6 +101,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                         saver.kept = (resumed[0], state["step"])
                     fitted = fit(parts, data, process, settings, saver, logger, run_dir, state)
                     result = fitted.best and fitted.best.value
+                    when = during_the_test(fitted.step, saver)  # for a signal now
                 else:  # train=false: the checkpoint's weights, on the validation split too
                     fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
                     result = None
@@ -118,6 +124,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 if unwritten := storage.agree(process, unwritten or None):
                     kept = saver.kept if cfg.train else None
                     raise storage.stopped(unwritten, run_dir, fitted.step, kept)
+    except KeyboardInterrupt:
+        raise interrupted(process, when) from None
     finally:
         distributed.teardown()
     return result

@@ -7,6 +7,7 @@ Read it top down: `fit` runs the epochs, `train_epoch` one pass over the trainin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, islice
 from pathlib import Path
@@ -156,6 +157,38 @@ class StopSignals:
     def __exit__(self, *_: Any) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """Outside training, SIGTERM interrupts as Ctrl-C does (a KeyboardInterrupt), so that the
+    run can say where it stopped (`interrupted`); within it, StopSignals asks training to stop
+    at a step. Python handles signals in the main thread only: elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted(process: Process, when: str) -> Stopped:
+    """The sentence for a signal outside training (`when`: where the run was, and what is
+    kept); ranks other than 0 end quietly, as at a stop during training."""
+    if not process.is_main:
+        sys.exit(1)
+    return Stopped(f"Stopped by a signal {when}.")
+
+
+def during_the_test(step: int, checkpointer: Checkpointer) -> str:
+    """Where a signal during the test finds a run that trained to `step`, and what is kept."""
+    kept = "checkpoint.save=false kept no weights"
+    if checkpointer.policy.save:
+        kept = f"{checkpointer.run_dir}/checkpoints holds its weights (test one with train=false "
+        kept += "ckpt_path=...)"
+    return f"after training ended at step {step}, during the test; {kept}"
 
 
 class NonFiniteLoss(CompactHydraException):

@@ -360,7 +360,11 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
 
 
 def start(
-    overrides: list[str], cwd: Path, nproc: int | None = None, **popen: Any
+    overrides: list[str],
+    cwd: Path,
+    nproc: int | None = None,
+    env: dict[str, str] | None = None,
+    **popen: Any,
 ) -> subprocess.Popen:
     """train.py (or torchrun) in the background, its output in cwd/log; `popen` are more of
     Popen's arguments."""
@@ -371,7 +375,7 @@ def start(
     return subprocess.Popen(
         [*launcher, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)],
         cwd=cwd,
-        env=offline_env(),
+        env=env or offline_env(),
         stdout=(cwd / "log").open("w"),
         stderr=subprocess.STDOUT,
         **popen,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    TESTS,
     assert_same_training,
     defaults_for_tests,
     last,
@@ -190,6 +191,34 @@ def test_a_signal_to_a_self_launched_ddp_run_ends_with_the_stop_sentence_alone(
     assert output.rstrip().endswith(sentence) and output.count("Stopped by a signal") == 1, output
     for noise in ("Traceback", "Error executing job", "leaked semaphore", "death signal"):
         assert noise not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "signum", "said"),
+    [
+        ("SlowToBuild", signal.SIGTERM, "Stopped by a signal before training; nothing was saved."),
+        ("SlowToTest", signal.SIGINT, "Stopped by a signal after training ended at step 4, during "
+         "the test; {run}/checkpoints holds its weights (test one with train=false "
+         "ckpt_path=...)."),
+    ],
+)  # fmt: skip
+def test_a_signal_outside_training_says_where_the_run_stopped(
+    tmp_path, tiny_data, model, signum, said
+):
+    """SIGTERM or Ctrl-C while the model is built (or the data decoded), or during the test: one
+    sentence saying where, and what is kept; no KeyboardInterrupt traceback."""
+    run_dir = tmp_path / "run"
+    overrides = [f"data.root={tiny_data}", "logger=none", f"model._target_=user_models.{model}",
+                 f"hydra.run.dir={run_dir}"]  # fmt: skip
+    process = start(overrides, tmp_path, env=offline_env(PYTHONPATH=TESTS))
+    marker = tmp_path / ("building" if model == "SlowToBuild" else "testing")  # the model's
+    wait_for(marker.exists, process)
+    process.send_signal(signum)
+    assert process.wait(timeout=60) == 1
+    output = (tmp_path / "log").read_text()
+    assert said.format(run=run_dir) in output, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
 
 
 @pytest.mark.slow

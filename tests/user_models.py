@@ -3,6 +3,7 @@ process does. Runs import them by `model._target_=user_models.<Name>` with tests
 each takes the MLP's keys (conf/model/mlp.yaml)."""
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -104,3 +105,25 @@ class SaysNoModes(Classification):
     checkpoint.mode it is given picks best.pt, whichever way."""
 
     modes = None
+
+
+class SlowToTest(MLP):
+    """The MLP, slow where the test runs it (an evaluation batch of the tiny data's 100 test
+    images): it writes the file `testing` in the working folder, then sleeps, so that a signal
+    can be sent during the test."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and len(x) == 100:
+            open("testing", "w").close()
+            time.sleep(60)
+        return super().forward(x)
+
+
+class SlowToBuild(MLP):
+    """The MLP, slow to build: it writes the file `building` in the working folder, then sleeps,
+    so that a signal can be sent before training."""
+
+    def __init__(self, in_channels: int, image_size: int, hidden: int, num_classes: int):
+        super().__init__(in_channels, image_size, hidden, num_classes)
+        open("building", "w").close()
+        time.sleep(60)
