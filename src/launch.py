@@ -184,9 +184,13 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
             print(err, file=sys.stderr)
         record = {"message": str(err), "timestamp": int(time.time())}
         Path(error_file).write_text(json.dumps(record))
+        exit_worker(1)  # as recorded: the interpreter's teardown could make it a SIGABRT
     except Exception:  # noqa: BLE001 - recorded with its traceback, for the launcher to show
         ErrorHandler().record_exception(sys.exc_info()[1])
-    exit_worker(1)  # as recorded: the interpreter's teardown could turn it into a SIGABRT
+    # A crash, often a collective that lost a killed peer: through the teardown, which leaves
+    # the launcher time to find the peer's death first and report that, the cause.
+    logging.shutdown()
+    sys.exit(1)
 
 
 # Launcher plumbing: what torchrun and Hydra need from each other.
