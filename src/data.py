@@ -163,7 +163,8 @@ class Data:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
                 f"processes. Use a multiple of {process.world_size}: it is the global batch, "
-                "and each rank takes an equal share."
+                "and each rank takes an equal share.",
+                every_rank=True,
             )
         # One process per machine finds (or downloads) the files and decodes them into the
         # cache while the others wait; gathering its verdict is the barrier, and every rank
@@ -177,7 +178,7 @@ class Data:
                 error = str(err)
         errors = [e for e in process.all_gather_object(error) if e]
         if errors:
-            raise UserError(errors[0])
+            raise UserError(errors[0], every_rank=True)
         splits = splits or {name: self._read(name) for name in ("train", "test")}
 
         self.device = process.device

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src import fsdp, launch
-from src.errors import UserError
+from src.errors import UserError, first_line
 from src.settings import PROCESS_GROUP_MODES, Trainer
 
 log = logging.getLogger(__name__)
@@ -142,15 +142,25 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
             "Use parallel.backend=gloo (or auto) on CPUs."
         )
     timeout = timedelta(seconds=cfg.parallel.timeout)
-    if rank == 0 and not launch.under_torchrun():  # then rank 0 hosts the rendezvous store itself
-        launch.check_port_free(cfg.parallel.init_method)
-    if cfg.parallel.init_method == "env://" and launch.under_torchrun():
-        store = launch.attempt_store(rank, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)  # fmt: skip
-    else:
-        dist.init_process_group(backend, init_method=cfg.parallel.init_method, rank=rank,
-                                world_size=world_size, timeout=timeout)  # fmt: skip
+    init_method = cfg.parallel.init_method
+    launch.check_rendezvous(init_method)
+    torchrun_store = init_method == "env://" and launch.under_torchrun()
+    if rank == 0 and not torchrun_store:  # rank 0 hosts the rendezvous store: tcp://, or env://
+        launch.check_port_free(init_method)  # under the legacy launcher
+    try:
+        if torchrun_store:
+            store = launch.attempt_store(rank, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)  # fmt: skip
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)  # fmt: skip
+    except dist.DistNetworkError as err:  # the message then dumps up to 50 C++ frames
+        raise UserError(
+            f"Rank {rank} could not join the rendezvous ({init_method}): "
+            f"{first_line(err).rstrip('.')}. Check that rank 0 runs at that address and that "
+            f"this machine reaches it (parallel.timeout={cfg.parallel.timeout} s is the wait)."
+        ) from None
     process = Process(mode, rank, local_rank, world_size, device)
     if not process.is_main:
         _quiet_logging(rank)

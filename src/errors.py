@@ -2,6 +2,8 @@
 a sentence quotes another error; and the classes a config group names, built with their
 mistakes told in one sentence."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hydra.errors import CompactHydraException, InstantiationException
@@ -12,8 +14,24 @@ class UserError(CompactHydraException):
     """A mistake the user can fix. Hydra prints its message alone, without a traceback.
 
     Raise it where the mistake enters, with one or two sentences that say what to do.
-    Real bugs keep raising ordinary exceptions, with their tracebacks.
+    Real bugs keep raising ordinary exceptions, with their tracebacks. `every_rank`: each rank of
+    a DDP group raises this one alike (a check of the config they share, a verdict they gathered),
+    so one rank per machine tells it.
     """
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+@contextmanager
+def on_every_rank() -> Iterator[None]:
+    """The UserError raised inside is one every rank raises alike: the checks of the config."""
+    try:
+        yield
+    except UserError as err:
+        err.every_rank = True
+        raise
 
 
 class Stopped(CompactHydraException):
@@ -45,7 +63,8 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         if isinstance(cause, ImportError):
             raise UserError(
                 f"{group}._target_={target} cannot be imported: check its module and class name "
-                f"(or choose a {group} config: python train.py --help lists them)."
+                f"(or choose a {group} config: python train.py --help lists them).",
+                every_rank=True,
             ) from None
         signature = isinstance(cause, TypeError) and any(s in str(cause) for s in _SIGNATURE)
         if not (signature or (values and isinstance(cause, (TypeError, ValueError)))):
@@ -53,5 +72,6 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         refused = "does not take these keys" if signature else "refuses a value"
         raise UserError(
             f"{group}: {target} {refused} ({first_line(cause)}). Fix the {group}.* keys "
-            "(python train.py --cfg job shows them)."
+            "(python train.py --cfg job shows them).",
+            every_rank=True,
         ) from None

@@ -16,6 +16,7 @@ import logging.config
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -112,7 +113,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
     elastic = [
         logging.getLogger(name)
         for name in list(logging.root.manager.loggerDict)
-        if name.startswith("torch.distributed.elastic")
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
     ]
     levels = [logger.level for logger in elastic]
     for logger in elastic:
@@ -182,6 +183,8 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     except CompactHydraException as err:
         if isinstance(err, Stopped):
             print(err, file=sys.stderr)
+        if getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
+            leave_it_to_local_rank_0(Path(error_file))
         record = {"message": str(err), "timestamp": int(time.time())}
         Path(error_file).write_text(json.dumps(record))
         exit_worker(1)  # as recorded: the interpreter's teardown could make it a SIGABRT
@@ -191,6 +194,22 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     # the launcher time to find the peer's death first and report that, the cause.
     logging.shutdown()
     sys.exit(1)
+
+
+def leave_it_to_local_rank_0(error_file: Path, wait: float = 5.0) -> None:
+    """A mistake every rank finds alike is told by local rank 0: torchrun quotes every failed
+    rank's error, so the others wait for the launcher to stop them once rank 0 has failed, and
+    record only that (after rank 0's failure: its stays torchrun's root cause). If it does not
+    come within `wait` seconds, they tell the mistake themselves."""
+
+    def stopped(*_: Any) -> None:
+        message = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
+        error_file.write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        exit_worker(1)
+
+    signal.signal(signal.SIGTERM, stopped)
+    time.sleep(wait)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # Launcher plumbing: what torchrun and Hydra need from each other.
@@ -266,11 +285,35 @@ def check_port_free(init_method: str) -> None:
         try:
             probe.bind(("", port))
         except OSError:
+            where, fix = (
+                (f"{init_method}, MASTER_PORT", "Choose a free port, or let torchrun choose one: "
+                 "torchrun --standalone ... or --rdzv-endpoint=localhost:0.")
+                if url.scheme == "env"
+                else (f"parallel.init_method={init_method}", "Choose a free port in it, or leave "
+                      "parallel.init_method at env:// (a free port is picked).")
+            )  # fmt: skip
             raise UserError(
-                f"Port {port} of the rendezvous ({init_method}, MASTER_PORT) is in use, "
-                "probably by another run. Choose a free port, or let torchrun choose one: "
-                "torchrun --standalone ... or --rdzv-endpoint=localhost:0."
+                f"Port {port} of the rendezvous ({where}) is in use, probably by another run. {fix}"
             ) from None
+
+
+def check_rendezvous(init_method: str) -> None:
+    """The host of a tcp:// rendezvous is known, the folder of a file:// one exists: else
+    init_process_group fails deep inside, or waits without a word (file://)."""
+    url = urlsplit(init_method)
+    if url.scheme == "tcp":
+        try:
+            socket.getaddrinfo(url.hostname, url.port)
+        except socket.gaierror as err:
+            raise UserError(
+                f"parallel.init_method={init_method}: host {url.hostname} is not known "
+                f"({err.strerror}). Give the address of rank 0's machine."
+            ) from None
+    elif url.scheme == "file" and not (folder := Path(url.path).parent).is_dir():
+        raise UserError(
+            f"parallel.init_method={init_method}: folder {folder} does not exist. Give a file in a "
+            "folder every process sees (across machines, a shared file system)."
+        )
 
 
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
@@ -299,6 +342,23 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def remove_torchrun_folder() -> None:
+    """Remove torchrun's folder of the workers' error files (torchelastic_* in the temporary
+    directory, where no --log-dir names another), which torchrun leaves behind, once this
+    machine's run succeeded: local rank 0 does, where the folder holds nothing of torchrun's (an
+    earlier attempt's error, --redirects' logs), only this run's restart anchor."""
+    if os.environ.get("LOCAL_RANK") != "0" or not (anchor := restart_anchor()):
+        return
+    folder = anchor.parents[1]  # {folder}/{run id}_{suffix}/run_dir
+    torchruns = folder.name.startswith("torchelastic_")  # by default, under the temporary directory
+    if (
+        torchruns
+        and folder.parent == Path(tempfile.gettempdir())
+        and all(path == anchor or path.is_dir() for path in folder.rglob("*"))
+    ):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def exit_worker(status: int = 0) -> None:
     """End a DDP worker whose work is done (or whose failure is recorded) with `status`, its
     output flushed, skipping the interpreter's teardown.
@@ -310,6 +370,8 @@ def exit_worker(status: int = 0) -> None:
     threads outlive the interpreter's finalization (pytorch/pytorch#179291 proposed destroying
     process groups at exit and was abandoned in 2026); this can go when a release does that.
     """
+    if status == 0:
+        remove_torchrun_folder()
     if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service
         sys.modules["wandb"].teardown()
     logging.shutdown()

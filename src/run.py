@@ -19,7 +19,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src import checkpoint, distributed, drift, plots, resume, storage
 from src.checkpoint import Checkpointer, Parts
-from src.errors import instantiated
+from src.errors import instantiated, on_every_rank
 from src.logger import MetricsLogger, open_logger
 from src.settings import Trainer, read_settings
 from src.tasks import Task, preflight
@@ -53,10 +53,11 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     Returns the best validation value of `checkpoint.monitor` (what a sweeper optimises), or
     None without a validation split. `run_dir` defaults to the folder Hydra made for the run.
     """
-    settings = read_settings(cfg)  # the config's values, checked before any work
-    trainer, task = settings.trainer, settings.task
-    configure_kernels(trainer)
-    process = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
+    with on_every_rank():  # under torchrun, one rank per machine tells a mistake found here
+        settings = read_settings(cfg)  # the config's values, checked before any work
+        trainer, task = settings.trainer, settings.task
+        configure_kernels(trainer)
+        process = distributed.setup(cfg, trainer)  # one process, or one rank of a DDP group
     # Where a signal outside training (SIGTERM, Ctrl-C) finds the run, and what is kept.
     when = "before training; nothing was saved" if cfg.train else "during the evaluation"
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from hydra.utils import get_class
@@ -330,10 +331,26 @@ def check_parallel(cfg: DictConfig) -> None:
                 _at_least(name, value, allowed, nullable=True)
             elif allowed is not None and not value > allowed:
                 _refuse(name, value, f"a number above {allowed}")
-        elif key == "init_method" and not (isinstance(value, str) and value.startswith(allowed)):
-            _refuse(name, value, "env:// (torchrun's variables), tcp://HOST:PORT or file://PATH")
-        elif key != "init_method" and value not in allowed:
+        elif key == "init_method":
+            _check_init_method(value, allowed)
+        elif value not in allowed:
             _refuse(name, value, f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+
+
+def _check_init_method(value: Any, schemes: tuple[str, ...]) -> None:
+    """`parallel.init_method` is env://, tcp://HOST:PORT or file:///PATH (an absolute path)."""
+    name = "parallel.init_method"
+    if not (isinstance(value, str) and value.startswith(schemes)):
+        _refuse(name, value, "env:// (torchrun's variables), tcp://HOST:PORT or file:///PATH")
+    url = urlsplit(value)
+    try:
+        port = url.port
+    except ValueError:  # a port above 65535
+        port = None
+    if url.scheme == "tcp" and not (url.hostname and port):
+        _refuse(name, value, "tcp://HOST:PORT, with rank 0's host and a port from 1 to 65535")
+    if url.scheme == "file" and (url.netloc or not url.path.startswith("/")):
+        _refuse(name, value, "file:///PATH, a file's absolute path on a folder every process sees")
 
 
 def check_paths(cfg: DictConfig) -> None:

@@ -120,7 +120,8 @@ def check_schedule(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> N
                     f"scheduler: {cfg.scheduler.get('_target_')} fails at its step {step} of "
                     f"{plan} ({'optimizer steps' if by_step else 'epochs'}) with "
                     f"{type(err).__name__}: {first_line(err)}. Fix the scheduler.* keys (python "
-                    "train.py --cfg job shows them)."
+                    "train.py --cfg job shows them).",
+                    every_rank=True,
                 ) from None
 
 
@@ -133,7 +134,8 @@ def check_accumulation(trainer: Trainer, batch_size: int, world_size: int) -> No
             f"trainer.accumulate_grad_batches={parts} splits each process's share of a batch "
             f"({share} images: data.batch_size={batch_size} over {world_size} processes) into "
             f"{parts} micro-batches, and some would be empty. Use at most {share}, or a larger "
-            "data.batch_size."
+            "data.batch_size.",
+            every_rank=True,
         )
 
 

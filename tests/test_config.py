@@ -250,7 +250,14 @@ def test_every_yaml_key_has_a_comment():
         ("parallel=fsdp parallel.timeout=abc", "^parallel.timeout=abc is not allowed: use a "
          "number.$"),
         ("parallel=ddp parallel.init_method=garbage://x", r"^parallel.init_method=garbage://x is "
-         r"not allowed: use env:// \(torchrun's variables\), tcp://HOST:PORT or file://PATH.$"),
+         r"not allowed: use env:// \(torchrun's variables\), tcp://HOST:PORT or file:///PATH.$"),
+        ("parallel=ddp parallel.init_method=tcp://localhost", "^parallel.init_method=tcp://"
+         "localhost is not allowed: use tcp://HOST:PORT, with rank 0's host and a port from 1 "
+         "to 65535.$"),
+        ("parallel=ddp parallel.init_method=tcp://localhost:99999", "^parallel.init_method=tcp://"
+         "localhost:99999 is not allowed: use tcp://HOST:PORT"),
+        ("parallel=ddp parallel.init_method=file://relative/x", "^parallel.init_method=file://"
+         "relative/x is not allowed: use file:///PATH, a file's absolute path"),
         ("parallel=ddp parallel.static_graph=yes", "^parallel.static_graph=yes is not allowed: "
          "use true or false.$"),
         ("resume=false", r"^resume=false is not allowed: use auto \(the run folder's last.pt\), "

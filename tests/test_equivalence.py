@@ -102,15 +102,19 @@ class Runs(dict):
     def __init__(self, tmp_path_factory, data):
         super().__init__()
         self.tmp_path_factory, self.data = tmp_path_factory, data
-        self.launched = {}  # each mode's finished process and the folder it ran in
+        self.launched = {}  # each mode's finished process, its folder and its TMPDIR
 
     def __missing__(self, name: str):
         overrides, nproc = MODES[name]
         tmp = self.tmp_path_factory.mktemp(name)
-        result = ok(train([f"data.root={self.data}", *RECIPE, *overrides], tmp, nproc=nproc))
+        temporary = self.tmp_path_factory.mktemp(f"{name}-temporary")  # its TMPDIR
+        env = offline_env(TMPDIR=str(temporary))
+        result = ok(
+            train([f"data.root={self.data}", *RECIPE, *overrides], tmp, nproc=nproc, env=env)
+        )
         (run_dir,) = run_dirs(tmp)  # one run folder, whatever the number of processes
         checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-        self.launched[name] = (result, tmp)
+        self.launched[name] = (result, tmp, temporary)
         self[name] = (*read_metrics(run_dir), checkpoint)
         return self[name]
 
@@ -158,12 +162,14 @@ def test_every_mode_trains_the_same_run(runs, mode):
 
 def test_ddp_prints_from_rank_0_and_writes_only_its_run_folder(runs):
     """torchrun with 2 ranks: rank 0's output only (rank 1 had nothing to warn about), and
-    nothing written beside the one run folder."""
+    nothing written beside the one run folder, nor left in the temporary directory (torchrun's
+    torchelastic_* folder is removed)."""
     runs["ddp2"]  # trained here, if no test has asked for it yet
-    result, folder = runs.launched["ddp2"]
+    result, folder, temporary = runs.launched["ddp2"]
     assert "DDP: 2 processes, backend gloo" in result.stdout
     assert "[rank 1]" not in result.stdout + result.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["outputs"]
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith("torchelastic_")]
 
 
 def test_the_runs_really_trained(runs):

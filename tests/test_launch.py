@@ -28,6 +28,9 @@ from conftest import (
 )
 from hydra import compose, initialize_config_dir
 
+from src import launch
+from src.errors import UserError
+
 
 def processes_in(folder: Path) -> list[int]:
     """Processes still running with `folder` as their working directory (left-behind workers)."""
@@ -212,6 +215,39 @@ def test_partial_distributed_environment_and_busy_port(tmp_path, tiny_data):
     assert result.returncode != 0
     assert f"Port {port} of the rendezvous (env://, MASTER_PORT) is in use" in printed(result)
     assert "Traceback" not in printed(result)
+
+
+@pytest.mark.slow
+def test_a_busy_port_of_a_tcp_rendezvous_is_one_sentence_self_launched(tmp_path, tiny_data):
+    """Rank 0 hosts a tcp:// rendezvous under any launcher, and checks its port first."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        tcp = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        overrides = [f"data.root={tiny_data}", "logger=none", "parallel=ddp",
+                     "parallel.nproc_per_node=2", f"parallel.init_method={tcp}"]  # fmt: skip
+        result = train(overrides, tmp_path)
+    assert result.returncode != 0
+    busy = f"of the rendezvous (parallel.init_method={tcp}) is in use, probably by another run"
+    assert printed(result).count(busy) == 1, printed(result)
+    assert "Traceback" not in printed(result)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("init_method", "message"),
+    [
+        ("file:///no/such/folder/rendezvous", "folder /no/such/folder does not exist"),
+        ("tcp://nohost.invalid:29500", "host nohost.invalid is not known"),
+    ],
+)
+def test_a_rendezvous_that_cannot_be_reached_is_named(init_method, message):
+    """Checked on every rank before init_process_group, which would wait without a word (file://)
+    or fail with C++ frames (tcp://)."""
+    with pytest.raises(UserError, match=f"^parallel.init_method={init_method}: {message}"):
+        launch.check_rendezvous(init_method)
+    launch.check_rendezvous("env://")
+    launch.check_rendezvous("tcp://127.0.0.1:29500")
 
 
 DELAYED_START = """
