@@ -28,6 +28,7 @@ epoch only, never on `parallel=` or the loader.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import math
@@ -36,12 +37,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import get_class
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src import storage
 from src.distributed import Process
-from src.errors import UserError
+from src.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,19 @@ class Data:
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
         if isinstance(options.get("root"), str):  # data.root="~/mnist": the user's own folder
             options["root"] = os.path.expanduser(options["root"])
-        source = get_class(dataset)
+        try:  # hydra's get_class would log the error before this says it
+            module, _, name = dataset.rpartition(".")
+            if not module:
+                raise ImportError("not a dotted path, module.Class")
+            source = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise UserError(
+                f"data.dataset={dataset} is no class that can be imported "
+                f"({first_line(err)}): give a dataset class's dotted path "
+                "(src.datasets.IDX, or your own), or choose a data config (python train.py "
+                "--help lists them).",
+                every_rank=True,
+            ) from None
         self.takes = set(inspect.signature(source).parameters)
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
         self.loader = loader

@@ -263,6 +263,7 @@ def check_fsdp(cfg: DictConfig) -> None:
 _DATA_KEYS: dict[str, tuple[str, int | None]] = {
     "batch_size": ("int", 1),
     "test_batch_size": ("int", 1),
+    "subset": ("int | None", 1),
     "num_workers": ("int", 0),
     "split_seed": ("int", 0),
     "seed": ("int", 0),
@@ -287,7 +288,7 @@ def check_data(cfg: DictConfig) -> None:
             continue  # a key this dataset's config leaves out or null
         _check_type(f"data.{key}", value, annotation)
         if low is not None:
-            _at_least(f"data.{key}", value, low)
+            _at_least(f"data.{key}", value, low, nullable="None" in annotation)
     names, classes = cfg.data.get("class_names"), cfg.data.get("num_classes")
     if names is not None and not OmegaConf.is_list(names):
         _refuse("data.class_names", names, "a list of names, [a,b,...], or null")
@@ -296,10 +297,23 @@ def check_data(cfg: DictConfig) -> None:
             f"data.class_names has {len(names)} names, and data.num_classes={classes}: give one "
             "name per class, in the order of their numbers (or null: the numbers themselves)."
         )
+    root = cfg.data.get("root")
+    if root is not None and not isinstance(root, str):
+        _refuse("data.root", root, "the path of the data's folder")
+    for key in ("mean", "std"):  # a number, or one per channel
+        value = cfg.data.get(key)
+        values = list(value) if OmegaConf.is_list(value) else [value]
+        if value is not None and not all(_is_number(v) for v in values):
+            _refuse(f"data.{key}", value, "a number, one per channel ([0.5,0.5,0.5]) or null "
+                    "(computed from the training images)")  # fmt: skip
     std = cfg.data.get("std")
     stds = list(std) if OmegaConf.is_list(std) else [std]
-    if std is not None and any(isinstance(s, (int, float)) and s <= 0 for s in stds):
+    if std is not None and any(s <= 0 for s in stds):
         _refuse("data.std", std, "the pixels' standard deviation, above 0 (null computes it)")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # The parallel keys each mode's config may have: what each takes (a choice, or a type and its
@@ -384,7 +398,6 @@ def read_settings(cfg: DictConfig) -> Settings:
     check_data(cfg)
     check_parallel(cfg)
     check_paths(cfg)
-    _at_least("data.subset", cfg.data.get("subset"), 1, nullable=True)
     val_size = cfg.data.get("val_size", 0)
     share = isinstance(val_size, float) and 0 < val_size < 1
     if not (

@@ -208,7 +208,12 @@ def test_every_yaml_key_has_a_comment():
         ("trainer.max_steps=0", "trainer.max_steps=0 is not allowed: use null or at least 1"),
         ("trainer.epochs=0", "trainer.epochs=0 is not allowed"),
         ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 is not allowed"),
-        ("data.subset=-5", "data.subset=-5 is not allowed"),
+        ("data.subset=-5", "^data.subset=-5 is not allowed: use null or at least 1.$"),
+        ("data.subset=abc", "^data.subset=abc is not allowed: use null or a whole number.$"),
+        ("data.mean=abc", r"^data.mean=abc is not allowed: use a number, one per channel "
+         r"\(\[0.5,0.5,0.5\]\) or null \(computed from the training images\).$"),
+        ("data.std=[0.3,abc]", r"^data.std=\[0.3, 'abc'\] is not allowed: use a number"),
+        ("data.root=123", "^data.root=123 is not allowed: use the path of the data's folder.$"),
         # The data keys every dataset shares, by type and range (a string is no flag or count):
         ("data.augment=no", "data.augment=no is not allowed: use true or false"),
         ("data.batch_size=abc", "data.batch_size=abc is not allowed: use a whole number"),
@@ -353,6 +358,11 @@ STAND_IN = [torch.zeros(1, requires_grad=True)]  # a parameter to build an optim
          "imported: check its module and class name"),
         ("task._target_=src.tasks.Nope", "task", r"^task._target_=src.tasks.Nope cannot be "
          "imported"),
+        ("data.dataset=src.datasets.Nope", "data", r"^data.dataset=src.datasets.Nope is no class "
+         r"that can be imported \(module 'src.datasets' has no attribute 'Nope'\): give a "
+         "dataset class's dotted path"),
+        ("data.dataset=Nope", "data", r"^data.dataset=Nope is no class that can be imported \(not "
+         r"a dotted path, module.Class\)"),
     ],
 )  # fmt: skip
 def test_a_class_the_config_names_refusing_its_keys_is_one_sentence(override, group, message):
