@@ -144,9 +144,10 @@ def setup(cfg: DictConfig, trainer: Trainer) -> Process:
     timeout = timedelta(seconds=cfg.parallel.timeout)
     init_method = cfg.parallel.init_method
     launch.check_rendezvous(init_method)
+    # Rank 0 hosts the rendezvous store, but for env:// under torchrun: that one is torchrun's.
     torchrun_store = init_method == "env://" and launch.under_torchrun()
-    if rank == 0 and not torchrun_store:  # rank 0 hosts the rendezvous store: tcp://, or env://
-        launch.check_port_free(init_method)  # under the legacy launcher
+    if rank == 0 and not torchrun_store:
+        launch.check_port_free(init_method)
     try:
         if torchrun_store:
             store = launch.attempt_store(rank, timeout)
