@@ -54,11 +54,16 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+def _is_a(value: Any, annotation: str) -> bool:
+    """Whether `value` is of `annotation` (true is no count, no number)."""
+    kinds = _TYPES[annotation][0]
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
 def _check_type(key: str, value: Any, annotation: str) -> None:
     """Refuse a value that is not of `annotation` (a string for a number, true for a count)."""
-    kinds, said = _TYPES[annotation]
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        _refuse(key, value, said)
+    if not _is_a(value, annotation):
+        _refuse(key, value, _TYPES[annotation][1])
 
 
 def _check_types(settings: Any, section: str) -> None:
@@ -302,18 +307,14 @@ def check_data(cfg: DictConfig) -> None:
         _refuse("data.root", root, "the path of the data's folder")
     for key in ("mean", "std"):  # a number, or one per channel
         value = cfg.data.get(key)
+        if value is None:
+            continue
         values = list(value) if OmegaConf.is_list(value) else [value]
-        if value is not None and not all(_is_number(v) for v in values):
+        if not all(_is_a(v, "float") for v in values):
             _refuse(f"data.{key}", value, "a number, one per channel ([0.5,0.5,0.5]) or null "
                     "(computed from the training images)")  # fmt: skip
-    std = cfg.data.get("std")
-    stds = list(std) if OmegaConf.is_list(std) else [std]
-    if std is not None and any(s <= 0 for s in stds):
-        _refuse("data.std", std, "the pixels' standard deviation, above 0 (null computes it)")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "std" and any(v <= 0 for v in values):
+            _refuse("data.std", value, "the pixels' standard deviation, above 0 (null computes it)")
 
 
 # The parallel keys each mode's config may have: what each takes (a choice, or a type and its
