@@ -7,12 +7,14 @@ full weights are gathered for its forward and backward only. Checkpoints stay pl
 `checkpoint.sharded=true` instead writes `torch.distributed.checkpoint`'s sharded format, each
 rank its own part, for models too large to gather on one rank.
 
-`torch.distributed.checkpoint` is imported inside the functions that use it: it takes about a
-quarter of a second to import, which every run of every mode would otherwise pay at start.
+FSDP itself and `torch.distributed.checkpoint` are imported inside the functions that use them:
+together they take about three quarters of a second to import (DTensor's operators), which
+every process of every other mode would otherwise pay at start.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from src.errors import UserError
 
@@ -37,6 +37,8 @@ def shard(
     model as the root unit, over all the ranks on `device`'s type. `dtype` (bf16, float16) is the
     precision of the forward and backward; the sharded weights, the optimizer and the gradients'
     reduction stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     found = {type(m).__name__ for m in model.modules()}
     if units and not found & set(units):
         raise UserError(
@@ -59,17 +61,23 @@ def shard(
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a DTensor); any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of a DTensor (a collective: every rank calls it), or the tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def _gathered_on_rank_0() -> Any:
