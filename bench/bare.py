@@ -14,10 +14,12 @@ measures speed) so that compilation and CUDA graph capture stay out of the timin
 only the epoch's first steps. bench/scaling.py varies the rest under torchrun: DDP's
 --bucket-cap-mb and --gradient-as-bucket-view, --accumulate (each step's share split into
 micro-batches, all-reducing in the last one's backward only, as src/training.py's train_step
-does) and --no-communication (a DDP hook that skips the all-reduce: the same step, compute only).
+does) and --no-communication (a DDP hook that skips the all-reduce: the same step, compute only;
+--also-no-communication times it after the all-reduce's run, in the same processes).
 """
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -68,6 +70,11 @@ def main() -> None:
         action="store_true",
         help="DDP without the all-reduce (debugging_hooks.noop_hook): compute only",
     )
+    parser.add_argument(
+        "--also-no-communication",
+        action="store_true",
+        help="time the steps a second time, from the same weights, with the no-op hook",
+    )
     args = parser.parse_args()
 
     ddp = "RANK" in os.environ
@@ -79,7 +86,9 @@ def main() -> None:
     rank, world = 0, 1
     if args.steps is not None and args.steps < 1:
         parser.error("--steps: time at least 1 step")
-    if not ddp and (args.bucket_cap_mb or args.gradient_as_bucket_view or args.no_communication):
+    ddp_only = (args.bucket_cap_mb, args.gradient_as_bucket_view, args.no_communication,
+                args.also_no_communication)  # fmt: skip
+    if not ddp and any(ddp_only):
         parser.error("the DDP options need DDP: launch with torchrun --nproc_per_node=N")
     if ddp:
         if device.type == "cuda":
@@ -91,23 +100,11 @@ def main() -> None:
     images = read_idx(find_file(folder, IDX_FILES["train"][0])).unsqueeze(1).to(device)
     labels = read_idx(find_file(folder, IDX_FILES["train"][1])).long().to(device)
     model, mean, std, seed = recipe(args.model)
-    model = model.to(device)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = model.to(memory_format=layout)
+    model = model.to(device, memory_format=layout)
     if args.compile:
         # Static shapes: CUDA graphs record one graph per batch shape, in the warm-up.
         model = torch.compile(model, mode=args.compile, dynamic=False)
-    if ddp:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=ids,
-            bucket_cap_mb=args.bucket_cap_mb,
-            gradient_as_bucket_view=args.gradient_as_bucket_view,
-        )
-        if args.no_communication:
-            model.register_comm_hook(None, noop_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     sampler = GlobalBatchSampler(len(labels), args.batch_size, rank, world, seed)
     sampler.set_epoch(1)  # the template's first epoch
     order = sampler.permutation().to(device)
@@ -118,47 +115,60 @@ def main() -> None:
     )
     starts = range(0, len(labels), args.batch_size)
 
-    def step(first: int) -> None:
-        index = order[first : first + args.batch_size][rank::world]
-        x = images.index_select(0, index).float().div_(255).sub_(mean).div_(std)
-        y = labels.index_select(0, index)
-        micro = min(args.accumulate, len(index))
-        optimizer.zero_grad(set_to_none=True)
-        pieces = zip(x.tensor_split(micro), y.tensor_split(micro), strict=True)
-        for i, (xs, ys) in enumerate(pieces):
-            # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
-            with nullcontext() if not ddp or i == micro - 1 else model.no_sync():
-                with autocast:
-                    logits = model(xs.contiguous(memory_format=layout))
-                    loss = F.cross_entropy(logits, ys) / micro
-                loss.backward()
-        optimizer.step()
+    def timed(hook: bool) -> float:
+        """Seconds for the timed steps, from the recipe's initial weights, with DDP's all-reduce
+        or (`hook`) its no-op hook."""
+        trained = copy.deepcopy(model)
+        if ddp:
+            ids = [device.index] if device.type == "cuda" else None
+            trained = torch.nn.parallel.DistributedDataParallel(
+                trained,
+                device_ids=ids,
+                bucket_cap_mb=args.bucket_cap_mb,
+                gradient_as_bucket_view=args.gradient_as_bucket_view,
+            )
+            if hook:
+                trained.register_comm_hook(None, noop_hook)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=args.lr)
 
-    model.train()
-    # The first batches and the last, often smaller, one: each batch shape at least twice, as CUDA
-    # graph trees run a new graph once before they record it.
-    warm = [*starts[: max(args.warmup_steps, 2)], starts[-1], starts[-1]]
-    for first in warm if args.warmup_steps else []:
-        step(first)
-    timed = starts[: args.steps]
-    sync(device, ddp)
-    started = time.perf_counter()
-    for first in timed:
-        step(first)
-    sync(device, ddp)
-    seconds = time.perf_counter() - started
-    count = min(len(labels), timed[-1] + args.batch_size) - timed[0]
+        def step(first: int) -> None:
+            index = order[first : first + args.batch_size][rank::world]
+            x = images.index_select(0, index).float().div_(255).sub_(mean).div_(std)
+            y = labels.index_select(0, index)
+            micro = min(args.accumulate, len(index))
+            optimizer.zero_grad(set_to_none=True)
+            pieces = zip(x.tensor_split(micro), y.tensor_split(micro), strict=True)
+            for i, (xs, ys) in enumerate(pieces):
+                # DDP all-reduces in the backward of the last micro-batch only, the sum of them all.
+                with nullcontext() if not ddp or i == micro - 1 else trained.no_sync():
+                    with autocast:
+                        logits = trained(xs.contiguous(memory_format=layout))
+                        loss = F.cross_entropy(logits, ys) / micro
+                    loss.backward()
+            optimizer.step()
+
+        trained.train()
+        # The first batches and the last, often smaller, one: each batch shape at least twice, as
+        # CUDA graph trees run a new graph once before they record it.
+        warm = [*starts[: max(args.warmup_steps, 2)], starts[-1], starts[-1]]
+        for first in warm if args.warmup_steps else []:
+            step(first)
+        sync(device, ddp)
+        started = time.perf_counter()
+        for first in starts[: args.steps]:
+            step(first)
+        sync(device, ddp)
+        return time.perf_counter() - started
+
+    timed_starts = starts[: args.steps]
+    count = min(len(labels), timed_starts[-1] + args.batch_size) - timed_starts[0]
+    seconds = timed(hook=args.no_communication)
+    line = {"time/train_s": seconds, "time/images_per_s": count / seconds}
+    if args.also_no_communication:  # the same steps again, in these processes
+        line["noop/images_per_s"] = count / timed(hook=True)
     if rank == 0:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(
-            json.dumps(
-                {
-                    "time/train_s": seconds,
-                    "time/images_per_s": count / seconds,
-                    "memory/peak_rss_mb": peak,
-                }
-            )
-        )
+        print(json.dumps({**line, "memory/peak_rss_mb": peak}))
     if ddp:
         dist.destroy_process_group()
         # As train.py's workers do (src/launch.py: exit_worker): gloo can abort a process

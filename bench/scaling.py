@@ -12,9 +12,10 @@ steps, then --steps timed steps; the table shows the fastest of --repeats runs. 
 process gets one thread (torchrun's OMP_NUM_THREADS=1), so one process stands for one device and
 ideal scaling is N × the 1-process figure; the "all threads" row is the one process at its best.
 
-The all-reduce's share of a step is measured, not modelled: each DDP row runs a second time with
-DDP's `noop_hook` (torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks) registered as its
-communication hook. That run does all the same compute (forward, backward, DDP's bucketing, the
+The all-reduce's share of a step is measured, not modelled: each DDP row's processes time the
+steps a second time, from the same weights, with DDP's `noop_hook`
+(torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks) registered as its communication
+hook. That run does all the same compute (forward, backward, DDP's bucketing, the
 optimizer) but hands each gradient bucket back without all-reducing it, so
 
     all-reduce share = 1 − time(no-op hook) / time(all-reduce)
@@ -84,8 +85,9 @@ def configurations(processes: list[int], variants_at: list[int], batch_size: int
     return rows
 
 
-def measure(row: dict, args: argparse.Namespace, no_communication: bool = False) -> dict:
-    """Run bare.py once for `row` (with the no-op hook if asked); its JSON line."""
+def measure(row: dict, args: argparse.Namespace) -> dict:
+    """Run bare.py once for `row` (a DDP row: then again with the no-op hook, in the same
+    processes); its JSON line."""
     launcher = [sys.executable]
     if row["processes"] > 1:
         launcher = [*TORCHRUN, f"--nproc_per_node={row['processes']}"]
@@ -98,7 +100,7 @@ def measure(row: dict, args: argparse.Namespace, no_communication: bool = False)
         f"--steps={args.steps}",
         "--warmup-steps=5",  # DDP rebuilds its buckets after the first step; gloo connects
         *row["flags"],
-        *(["--no-communication"] if no_communication else []),
+        *(["--also-no-communication"] if row["processes"] > 1 else []),
     ]
     env = dict(os.environ)
     if row["threads"]:
@@ -145,16 +147,13 @@ def main() -> None:
     # In turn, so that a machine slowing down or speeding up touches every row alike.
     for repeat in range(1, args.repeats + 1):
         for row in rows:
-            runs = [measure(row, args)]
-            if row["processes"] > 1:
-                runs.append(measure(row, args, no_communication=True))
-            row.setdefault("all-reduce", []).append(runs[0]["time/images_per_s"])
-            row.setdefault("no-op hook", []).extend(t["time/images_per_s"] for t in runs[1:])
+            run = measure(row, args)
+            speeds = [run[key] for key in ("time/images_per_s", "noop/images_per_s") if key in run]
+            row.setdefault("all-reduce", []).append(speeds[0])
+            row.setdefault("no-op hook", []).extend(speeds[1:])
             print(
                 f"run {repeat}/{args.repeats}: {row['processes']} process(es) "
-                f"{row['setting']:32} "
-                + " ".join(f"{t['time/images_per_s']:8,.0f}" for t in runs)
-                + " images/s",
+                f"{row['setting']:32} " + " ".join(f"{v:8,.0f}" for v in speeds) + " images/s",
                 flush=True,
             )
     summarise(rows)
