@@ -332,38 +332,50 @@ def test_a_restart_meets_although_a_rank_died_before_it_joined(tmp_path, tiny_da
 MODES = {"none": None, "dp": None, "ddp": 2, "fsdp": 2}  # mode: processes under torchrun
 
 
+# Adam divides by sqrt(v) + eps: with its default eps a gradient near zero turns the noise of
+# another summation order into steps of 1e-5; eps=0.01 keeps them at float32's noise.
+ADAM = ["optimizer=adam", "+optimizer.eps=0.01"]
+
+
+@pytest.fixture(scope="module")
+def adam_whole(tmp_path_factory, tiny_data) -> Path:
+    """Two epochs of ADAM in one process, uninterrupted: what every resumed run must end as."""
+    folder = tmp_path_factory.mktemp("adam-whole")
+    overrides = [f"data.root={tiny_data}", *RUN, *ADAM, "trainer.epochs=2"]
+    ok(train([*overrides, f"hydra.run.dir={folder / 'run'}"], folder))
+    return folder / "run"
+
+
 @pytest.mark.slow
-def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data):
-    """Saved after one epoch under none, dp, ddp and fsdp, each resumed for a second epoch under
+@pytest.mark.parametrize("saved", list(MODES))
+def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data, adam_whole, saved):
+    """Saved after one epoch under `saved` (none, dp, ddp, fsdp), resumed for a second epoch under
     each mode (Adam's moments and step counts included): the same final weights as one
     uninterrupted run, and the same test, on the best.pt each resumed run loads. (Without GPUs,
-    dp trains on one device after a warning; the checkpoint path is the same.)"""
-    # Adam divides by sqrt(v) + eps: with its default eps a gradient near zero turns the noise of
-    # another summation order into steps of 1e-5; eps=0.01 keeps them at float32's noise.
-    common = [f"data.root={tiny_data}", *RUN, "optimizer=adam", "+optimizer.eps=0.01"]
-    whole = tmp_path / "whole"
-    ok(train([*common, "trainer.epochs=2", f"hydra.run.dir={whole}"], tmp_path))
-    for saved, nproc in MODES.items():
-        first = tmp_path / f"saved-{saved}"
-        overrides = [*common, f"parallel={saved}", "trainer.epochs=1", f"hydra.run.dir={first}"]
-        ok(train(overrides, tmp_path, nproc=nproc))
-        assert list(last(first)["optimizer"]["state"]) == [0, 1, 2, 3]  # plain, numbered
-        for loaded, nproc2 in MODES.items():
-            resumed = tmp_path / f"{saved}-in-{loaded}"
-            resume = f"resume={first / 'checkpoints' / 'last.pt'}"
-            overrides = [*common, f"parallel={loaded}", "trainer.epochs=2", resume,
-                         f"hydra.run.dir={resumed}"]  # fmt: skip
-            result = ok(train(overrides, tmp_path, nproc=nproc2))
-            assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
-            got, want = last(resumed), last(whole)
-            assert got["step"] == want["step"]
-            for key, tensor in want["model"].items():
-                torch.testing.assert_close(
-                    got["model"][key], tensor, rtol=0, atol=1e-6, msg=f"{saved} in {loaded}: {key}"
-                )
-            for number, moments in want["optimizer"]["state"].items():
-                assert got["optimizer"]["state"][number]["step"] == moments["step"]
-            assert read_test(resumed)["test/correct"] == read_test(whole)["test/correct"]
+    dp trains on one device after a warning; the checkpoint path is the same.) One test per saved
+    mode, so that they spread over the test workers."""
+    common = [f"data.root={tiny_data}", *RUN, *ADAM]
+    first = tmp_path / f"saved-{saved}"
+    overrides = [*common, f"parallel={saved}", "trainer.epochs=1", f"hydra.run.dir={first}"]
+    ok(train(overrides, tmp_path, nproc=MODES[saved]))
+    assert list(last(first)["optimizer"]["state"]) == [0, 1, 2, 3]  # plain, numbered
+    want = last(adam_whole)
+    for loaded, nproc in MODES.items():
+        resumed = tmp_path / f"{saved}-in-{loaded}"
+        resume = f"resume={first / 'checkpoints' / 'last.pt'}"
+        overrides = [*common, f"parallel={loaded}", "trainer.epochs=2", resume,
+                     f"hydra.run.dir={resumed}"]  # fmt: skip
+        result = ok(train(overrides, tmp_path, nproc=nproc))
+        assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
+        got = last(resumed)
+        assert got["step"] == want["step"]
+        for key, tensor in want["model"].items():
+            torch.testing.assert_close(
+                got["model"][key], tensor, rtol=0, atol=1e-6, msg=f"{saved} in {loaded}: {key}"
+            )
+        for number, moments in want["optimizer"]["state"].items():
+            assert got["optimizer"]["state"][number]["step"] == moments["step"]
+        assert read_test(resumed)["test/correct"] == read_test(adam_whole)["test/correct"]
 
 
 @pytest.mark.slow
@@ -392,8 +404,7 @@ def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
     folder; 3 processes resume from the shards of 2 (torch.distributed.checkpoint reshards) and
     end as one uninterrupted process does, testing the sharded best.pt. Only the folders a file
     names are kept, and another mode refuses the checkpoint with one sentence."""
-    common = [f"data.root={tiny_data}", *RUN, "optimizer=adam", "+optimizer.eps=0.01",
-              "data.batch_size=24"]  # fmt: skip
+    common = [f"data.root={tiny_data}", *RUN, *ADAM, "data.batch_size=24"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     ok(train([*common, "trainer.epochs=2", f"hydra.run.dir={whole}"], tmp_path))
     sharded = [*common, "parallel=fsdp", "checkpoint.sharded=true", f"hydra.run.dir={parts}"]

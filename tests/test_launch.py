@@ -393,11 +393,16 @@ def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path
     """Rank 1 is frozen (SIGSTOP) during training: rank 0's next collective fails after
     parallel.timeout=5 seconds instead of waiting the default 30 minutes."""
     # Frozen once rank 0 has logged training losses, however long the start took on this machine;
-    # the file `frozen` marks the moment.
+    # the file `frozen` marks the moment. Thawed once rank 0 has ended (its timeout is then
+    # measured), so that it takes the SIGTERM torchrun sent it instead of torchrun's SIGKILL 30 s
+    # later; the thawing shell ignores that SIGTERM, which torchrun sends the worker's whole group.
     training = "[ $(cat outputs/*/*/metrics.jsonl 2>/dev/null | wc -l) -ge 2 ]"
+    # Ended: gone, or a zombie that torchrun has not reaped yet (its state in /proc is Z).
+    rank_0_ended = "s=$(cut -d' ' -f3 /proc/$(cat pid-0)/stat 2>/dev/null); [ \"${s:-Z}\" = Z ]"
     freeze_rank_1 = (
-        f'if [ "$RANK" = 1 ]; then (until {training}; do sleep 0.1; done; '
-        "touch frozen; kill -STOP $$$$) & fi"
+        'echo $$$$ > pid-$RANK; if [ "$RANK" = 1 ]; then (until '
+        f"{training}; do sleep 0.1; done; touch frozen; kill -STOP $$$$; trap '' TERM; "
+        f"until {rank_0_ended}; do sleep 0.1; done; touch thawed; kill -CONT $$$$) & fi"
     )
     overrides = [
         f"data.root={tiny_data}",
@@ -412,7 +417,7 @@ def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path
     )
     assert result.returncode != 0
     assert "Timed out waiting 5000ms" in printed(result).split("Root Cause")[1]
-    # From the freeze: 5 s to the timeout, then torchrun waits 30 s for the frozen rank before its
-    # SIGKILL; 90 s leaves a loaded machine room, and is far from the default's 1,800 s.
+    # From the freeze: 5 s to the timeout, then rank 1 ends within its own 5 s; 90 s leaves a
+    # loaded machine room, and is far from the default's 1,800 s.
     assert time.time() - (tmp_path / "frozen").stat().st_mtime < 90
     assert processes_in(tmp_path) == []
