@@ -20,9 +20,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from src import equivalence, launch
+from src import launch
 from src.run import train
 from src.settings import read_settings
+from src.tools import equivalence
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -18,20 +18,20 @@ import shutil
 import uuid
 import zipfile
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from src import fsdp, storage
+from src.core.state import Parts, Progress
 from src.distributed import Process, unwrap
 from src.errors import UserError
-from src.settings import Checkpointing
+from src.settings import Checkpointing, Settings
 
 log = logging.getLogger(__name__)
 
@@ -40,105 +40,6 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 TRAINING_KEYS = ("model", "optimizer", "scheduler", "epoch", "epoch_step", "step", "rng")
 SHARDS = "shards"  # checkpoint.sharded=true: the folder beside the file with the model's and the
 # optimizer's shards, which the file holds instead of them
-
-
-@dataclass
-class Best:
-    """The best validation so far by `monitor` (the weights best.pt holds), and how many
-    validations since have not improved on it, which early stopping counts."""
-
-    monitor: str  # a metric of the validation split: val/acc or val/loss
-    mode: str  # max or min: whether a higher or a lower value is better
-    value: float | None = None
-    epoch: int | None = None
-    stale: int = 0  # validations since the best one
-
-    def update(self, metrics: dict[str, float], epoch: int) -> bool:
-        """Count in the validation of `epoch`; True if it is the new best (ties keep the first)."""
-        value = metrics[self.monitor]
-        if self.value is None or (value > self.value if self.mode == "max" else value < self.value):
-            self.value, self.epoch, self.stale = value, epoch, 0
-            return True
-        self.stale += 1
-        return False
-
-    @classmethod
-    def resume(cls, monitor: str, mode: str, saved: dict[str, Any] | None) -> Best:
-        """The record a checkpoint saved, if it watched the same monitor; else a fresh one."""
-        if saved and (saved["monitor"], saved["mode"]) == (monitor, mode):
-            return cls(**saved)
-        if saved:
-            log.warning(
-                "The checkpoint picked its best epoch by %s (%s), this run by %s (%s): the best "
-                "so far starts afresh.",
-                saved["monitor"],
-                saved["mode"],
-                monitor,
-                mode,
-            )
-        return cls(monitor, mode)
-
-
-@dataclass
-class Progress:
-    """Where training stands: what a checkpoint records, and where a resumed run continues."""
-
-    epoch: int = 1  # the epoch training is in, from 1
-    epoch_step: int = 0  # its batches done
-    step: int = 0  # optimizer steps done in all
-    metrics: dict[str, Any] = field(default_factory=dict)  # the last validation's
-    best: Best | None = None  # the best validation so far; None without a validation split
-
-    @classmethod
-    def start(
-        cls,
-        policy: Checkpointing,
-        validates: bool,
-        resumed: dict[str, Any] | None,
-        steps_per_epoch: int,
-    ) -> Progress:
-        """A fresh start, or where the `resumed` checkpoint stood (the next epoch, if it was saved
-        at the end of one)."""
-        best = Best(policy.monitor, policy.mode) if validates else None
-        if not resumed:
-            return cls(best=best)
-        progress = cls(
-            resumed["epoch"], resumed["epoch_step"], resumed["step"], resumed["metrics"], best
-        )
-        if best:
-            progress.best = Best.resume(best.monitor, best.mode, resumed.get("best"))
-        if progress.epoch_step >= steps_per_epoch:  # saved at the end of an epoch
-            progress.epoch, progress.epoch_step = progress.epoch + 1, 0
-        log.info(
-            "Resuming at epoch %d, after %d of its batches, step %d",
-            progress.epoch,
-            progress.epoch_step,
-            progress.step,
-        )
-        return progress
-
-    @property
-    def record(self) -> dict[str, int]:
-        """What a logged line says of where training stands."""
-        return {"step": self.step, "epoch": self.epoch}
-
-    @property
-    def about(self) -> str:
-        return f"epoch {self.epoch}, step {self.step}"
-
-    @property
-    def ended_in(self) -> int:
-        """The last epoch trained in: this one if it has begun, else the one before."""
-        return self.epoch if self.epoch_step else self.epoch - 1
-
-
-class Parts(NamedTuple):
-    """What training changes, and a checkpoint saves and restores."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler  # float16's loss scale; disabled (a no-op) for other precisions
 
 
 class Checkpointer:
@@ -349,23 +250,24 @@ def _copy(source: Path, target: Path) -> None:
     storage.copy_atomically(source, target)
 
 
-def find_resume(cfg: DictConfig, run_dir: Path, process: Process) -> tuple[Path, dict] | None:
+def find_resume(settings: Settings, run_dir: Path, process: Process) -> tuple[Path, dict] | None:
     """The checkpoint training continues from, and its contents; None to start fresh.
 
     `resume=auto` takes `checkpoints/last.pt` of the run folder if there is one, a path names a
     checkpoint, null never resumes. Rank 0 decides, so every rank resumes from the same file.
     """
-    if not cfg.train or cfg.resume is None:
+    paths = settings.paths
+    if not settings.train or paths.resume is None:
         return None
-    path = Path(cfg.resume).expanduser()
-    if cfg.resume == "auto":
+    path = Path(paths.resume).expanduser()
+    if paths.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
         path = process.broadcast_object(last if last.is_file() else None)
         if path is None:
             return None
     log.info("Resuming from %s", path)
-    if cfg.init_from:
-        log.info("init_from=%s is not used: the resumed weights replace it.", cfg.init_from)
+    if paths.init_from:
+        log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
     state = load(path, process)
     state["best"] = _best_pt_beside((path, state["step"]), run_dir, state.get("best"), process)
     return path, state
@@ -420,10 +322,10 @@ def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
         process.broadcast_tensors(model.state_dict().values())
 
 
-def find_weights(cfg: DictConfig, process: Process) -> tuple[Path, dict] | None:
+def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | None:
     """The file the model's first weights come from: `ckpt_path` to evaluate (train=false),
     `init_from` to fine-tune; None for fresh weights."""
-    name = cfg.init_from if cfg.train else cfg.ckpt_path
+    name = settings.paths.init_from if settings.train else settings.paths.ckpt_path
     if name is None:
         return None
     path = Path(name).expanduser()

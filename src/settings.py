@@ -200,12 +200,46 @@ if not OmegaConf.has_resolver("checkpoint_mode"):
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """The `parallel:` keys (checked by `check_parallel`) and `device`: how this process is set
+    up and how the model is wrapped. A key a mode's YAML lacks keeps its default here."""
+
+    mode: str = "none"  # none | dp | ddp | fsdp
+    device: str = "auto"
+    backend: str = "auto"
+    init_method: str = "env://"
+    timeout: float = 1800
+    device_ids: tuple[int, ...] | None = None  # dp
+    output_device: int | None = None  # dp
+    find_unused_parameters: bool = False  # ddp
+    bucket_cap_mb: float = 25
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    sync_batchnorm: bool = False
+    shard_modules: tuple[str, ...] = ()  # fsdp
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Which checkpoint a run starts from: `resume` (auto, a path or None), `init_from` (first
+    weights to fine-tune) and `ckpt_path` (the weights `train=false` evaluates)."""
+
+    resume: str | None = "auto"
+    init_from: str | None = None
+    ckpt_path: str | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything below `src/run.py` reads of the config, checked as a whole."""
 
     trainer: Trainer
     checkpoint: Checkpointing
     task: Any = None  # what is learned: its loss and metrics (src/tasks.py)
+    parallel: Parallel = Parallel()
+    paths: Checkpoints = Checkpoints()
+    seed: int = 1
     train: bool = True
     validates: bool = True  # data.val_size > 0: a validation split is held out
     # DDP: compare the ranks' parameters before each validation and save ("eval"), also every
@@ -454,10 +488,17 @@ def read_settings(cfg: DictConfig) -> Settings:
     checkpoint = _section(Checkpointing, OmegaConf.to_container(cfg.checkpoint, resolve=True))
     task = tasks.build(cfg.task)
     mode = checkpoint_mode(checkpoint.monitor, checkpoint.mode, tasks.modes(task))
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    for key in ("device_ids", "shard_modules"):  # lists in the YAML, frozen here
+        if parallel.get(key) is not None:
+            parallel[key] = tuple(parallel[key])
     return Settings(
         trainer=_section(Trainer, trainer, step_interval=interval == "step"),
         checkpoint=replace(checkpoint, mode=mode),
         task=task,
+        parallel=_section(Parallel, parallel, device=str(cfg.device)),
+        paths=Checkpoints(cfg.resume, cfg.init_from, cfg.ckpt_path),
+        seed=cfg.seed,
         train=cfg.train,
         validates=val_size > 0,
         check_sync=check_sync if cfg.parallel.mode == "ddp" else None,

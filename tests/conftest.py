@@ -502,3 +502,17 @@ def __getattr__(name: str):  # torchvision is imported only by the tests that us
     if name == "CIFAR10WrittenHere":
         return _cifar10_written_here()
     raise AttributeError(name)
+
+
+def a_run(task: Any = None, data: Any = None, process: Any = None, **trainer: Any) -> Any:
+    """The run context the core's functions take (src/core/state.py), for calling them in this
+    process: the task (classification by default), the data, this process, and `Trainer(**trainer)`
+    settings. It monitors val/loss, which every task returns."""
+    from src.core.state import Run
+    from src.distributed import Process
+    from src.settings import Checkpointing, Settings, Trainer
+    from src.tasks import Classification
+
+    checkpoint = Checkpointing(monitor="val/loss", mode="min")
+    settings = Settings(Trainer(**trainer), checkpoint, task or Classification())
+    return Run(process or Process(), settings, data)

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src import drift
 from src.data import Data
 from src.datasets import Tensors
 from src.distributed import Process
 from src.errors import UserError
+from src.guards import drift
 
 pytestmark = pytest.mark.unit
 

@@ -27,10 +27,10 @@ from hydra.errors import (
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from src.build import build_scheduler, check_schedule
 from src.data import Data
 from src.errors import UserError, instantiated
 from src.settings import _check_types, read_settings
-from src.training import build_scheduler, check_schedule
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))

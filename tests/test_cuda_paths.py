@@ -6,17 +6,18 @@ import threading
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import a_run, compose_config
 from hydra.utils import instantiate
 from torch import nn
 
 from src import checkpoint
-from src.checkpoint import Parts
-from src.distributed import Process, check_data_parallel, rank_gpu
+from src.build import configure_kernels
+from src.core.state import Parts
+from src.distributed import Process
 from src.errors import UserError
+from src.launch.process import check_data_parallel, rank_gpu
 from src.settings import Trainer
-from src.tasks import Classification
-from src.training import configure_kernels, warm_up
+from src.tools.warmup import warm_up
 
 
 @pytest.mark.unit
@@ -130,7 +131,7 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
-    warm_up(parts, Classification(), data, Process(), Trainer(warmup_steps=1), None, 0)
+    warm_up(a_run(data=data, warmup_steps=1), parts, 0)
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
 
 

@@ -26,6 +26,7 @@ from conftest import (
     REPO,
     VAL_SIZE,
     WEIGHT_ATOL,
+    a_run,
     make_dataset,
     offline_env,
     ok,
@@ -36,10 +37,9 @@ from conftest import (
 )
 from hydra.utils import instantiate
 
+from src.core.evaluate import evaluate
 from src.data import Data
 from src.distributed import Process
-from src.tasks import Classification
-from src.training import evaluate
 
 RECIPE = [
     "logger=none",
@@ -203,7 +203,7 @@ def test_evaluation_is_exact_with_3_processes(tmp_path, mode):
     data.setup(Process())
     assert isinstance(data, Data) and data.size("test") == 10_000 and data.size("val") == 3001
     for split, record in (("val", validated), ("test", logged)):
-        single = evaluate(model, Classification(), data, split, Process())
+        single = evaluate(a_run(data=data), model, split)
         assert record[f"{split}/correct"] == single[f"{split}/correct"]
         assert record[f"{split}/acc"] == single[f"{split}/acc"]
         assert math.isclose(record[f"{split}/loss"], single[f"{split}/loss"], rel_tol=1e-6)

@@ -22,7 +22,7 @@ from conftest import (
 from torch import nn
 
 from src import checkpoint, distributed
-from src.checkpoint import Parts, restore
+from src.checkpoint import restore
 from src.datasets import find_idx_folder
 from src.distributed import Process
 
@@ -86,7 +86,7 @@ def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
     fresh = torch.optim.Adam(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda _: 1.0)
     state |= {"scheduler": scheduler.state_dict(), "rng": [checkpoint.rng_state()]}
-    restore(state, Parts(model, fresh, scheduler, torch.amp.GradScaler("cuda")), Process())
+    restore(state, model, fresh, torch.amp.GradScaler("cuda"), Process())
     assert fresh.state[model.weight]["step"].device.type == "cpu"
     assert fresh.state[model.weight]["exp_avg"].device.type == "cuda"
 

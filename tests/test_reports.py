@@ -17,10 +17,10 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
-from src import plots
 from src.distributed import Process
-from src.sweep import SweepSummary, _write
 from src.tasks import Classification, Regression
+from src.tools import plots
+from src.tools.sweep import SweepSummary, _write
 
 pytestmark = pytest.mark.unit
 

@@ -8,24 +8,23 @@ import math
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, WEIGHT_ATOL, ok, read_metrics, run_dirs, train
+from conftest import LOSS_ATOL, WEIGHT_ATOL, a_run, ok, read_metrics, run_dirs, train
 from hydra.utils import instantiate
 from torch import nn
 
-from src.checkpoint import Checkpointer, Parts, Progress, restore, rng_state
+from src.build import check_accumulation
+from src.checkpoint import Checkpointer, restore, rng_state
+from src.core.evaluate import evaluate
+from src.core.hooks import Hooks
+from src.core.loop import save
+from src.core.state import Parts, Progress
+from src.core.step import train_step
 from src.data import Data
 from src.distributed import Process
 from src.errors import UserError
+from src.guards.checks import NonFinite, NonFiniteLoss
 from src.settings import Checkpointing, Trainer
 from src.tasks import Classification
-from src.training import (
-    NonFiniteLoss,
-    StopSignals,
-    Watch,
-    check_accumulation,
-    evaluate,
-    train_step,
-)
 
 CLASSIFY = Classification()
 
@@ -46,7 +45,7 @@ def batch(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weights_after_step(images, labels, global_size, **trainer) -> list[torch.Tensor]:
     trained = parts()
-    train_step(trained, CLASSIFY, images, labels, global_size, Process(), Trainer(**trainer))
+    train_step(a_run(**trainer), trained, (images, labels, global_size))
     return [p.detach().clone() for p in trained.model.parameters()]
 
 
@@ -84,8 +83,7 @@ def test_uneven_shares_of_two_ranks_add_up_to_the_global_mean():
 def test_clipping_bounds_the_global_norm_and_reports_it_unclipped():
     trained, (images, labels) = parts(), batch(16)
     before = [p.detach().clone() for p in trained.model.parameters()]
-    trainer = Trainer(gradient_clip_val=0.01)
-    _, norm = train_step(trained, CLASSIFY, images, labels, 16, Process(), trainer)
+    _, norm = train_step(a_run(gradient_clip_val=0.01), trained, (images, labels, 16))
     assert norm > 0.1  # the norm before clipping, far above the bound
     moved = [b - p.detach() for b, p in zip(before, trained.model.parameters(), strict=True)]
     assert math.isclose(torch.nn.utils.get_total_norm(moved).item(), 0.01, rel_tol=1e-4)
@@ -101,21 +99,22 @@ def test_a_batch_the_task_counts_nothing_in_stops_with_one_sentence():
 
     images, labels = batch(16)
     with pytest.raises(UserError, match=r"^The task counts no loss terms in a training batch "):
-        train_step(parts(), NothingCounted(), images, labels, 16, Process(), Trainer())
+        train_step(a_run(NothingCounted()), parts(), (images, labels, 16))
 
 
 @pytest.mark.unit
 def test_the_norm_is_measured_without_clipping_only_when_asked():
     images, labels = batch(16)
-    assert train_step(parts(), CLASSIFY, images, labels, 16, Process(), Trainer())[1] is None
-    _, norm = train_step(
-        parts(), CLASSIFY, images, labels, 16, Process(), Trainer(), measure_norm=True
-    )
+    assert train_step(a_run(), parts(), (images, labels, 16))[1] is None
+    _, norm = train_step(a_run(), parts(), (images, labels, 16), measure_norm=True)
     assert norm > 0
 
 
-def watch(checkpointer=None) -> Watch:
-    return Watch(Process(), Trainer(), None, StopSignals(), checkpointer)
+def checked(checkpointer=None, **trainer):
+    """A run whose one hook is the non-finite check (src/guards/checks.py), and that hook."""
+    run, hook = a_run(**trainer), NonFinite()
+    run.checkpointer, run.hooks = checkpointer, Hooks([hook])
+    return run, hook
 
 
 @pytest.mark.unit
@@ -124,19 +123,19 @@ def test_float16_steps_the_scaler_skips_are_not_errors():
     lowers the scale, the loss itself stays finite, and the watch lets training go on."""
     trained, (images, labels) = parts("16", init_scale=2.0**127), batch(16)
     before = [p.detach().clone() for p in trained.model.parameters()]
-    trainer, looking = Trainer(precision="16"), watch()
+    run, looking = checked(precision="16")
     for step in (1, 2):
-        loss, _ = train_step(trained, CLASSIFY, images, labels, 16, Process(), trainer)
-        looking.losses.append((step, loss))
+        loss, _ = train_step(run, trained, (images, labels, 16))
+        looking.after_step(run, Progress(step=step), loss)
     assert trained.scaler.get_scale() < 2.0**127  # steps were skipped: the scale came down
     assert all(torch.equal(b, p) for b, p in zip(before, trained.model.parameters(), strict=True))
-    assert math.isfinite(looking.check(None, trained.model))
+    assert math.isfinite(run.hooks.check(run, Progress(step=2), loss.item(), trained.model))
 
 
 @pytest.mark.unit
 def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
     checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), parts(), {}, None)
-    looking = watch(checkpointer)
+    run, looking = checked(checkpointer)
     looking.losses = [
         (5, torch.tensor(2.0)),
         (6, torch.tensor(float("inf"))),
@@ -145,7 +144,7 @@ def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
     with pytest.raises(
         NonFiniteLoss, match="loss was not finite at step 6 .*no checkpoint before it"
     ):
-        looking.check(None)
+        run.hooks.check(run, Progress(step=7))
 
 
 @pytest.mark.unit
@@ -155,7 +154,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with torch.no_grad():
         trained.model[1].weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteLoss, match="weights were not finite after step 3"):
-        watch(checkpointer).save(Progress(step=3))
+        save(checked(checkpointer)[0], trained, Progress(step=3))
     assert not checkpointer.last.exists()
 
 
@@ -230,7 +229,7 @@ def test_a_batchnorm_model_under_ddp_counts_what_its_checkpoint_counts(tmp_path,
     data.setup(Process())
     assert isinstance(data, Data)
     for split, logged in (("val", validated), ("test", tested)):
-        single = evaluate(model, CLASSIFY, data, split, Process())
+        single = evaluate(a_run(data=data), model, split)
         assert logged[f"{split}/correct"] == single[f"{split}/correct"]
         assert math.isclose(logged[f"{split}/loss"], single[f"{split}/loss"], rel_tol=1e-6)
 

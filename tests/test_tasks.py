@@ -24,6 +24,7 @@ from conftest import (
     REPO,
     VAL_SIZE,
     WEIGHT_ATOL,
+    a_run,
     load,
     offline_env,
     ok,
@@ -34,13 +35,14 @@ from conftest import (
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from src.checkpoint import Parts
+from src.build import build_model
+from src.core.evaluate import evaluate, float64_sum
+from src.core.state import Parts, Run
+from src.core.step import check_count, train_step
 from src.distributed import Process
 from src.errors import UserError
-from src.run import build_model
-from src.settings import Trainer, read_settings
+from src.settings import read_settings
 from src.tasks import Classification, Regression
-from src.training import check_count, evaluate, float64_sum, train_step
 
 PAGE = REPO / "docs" / "tasks.md"
 
@@ -129,8 +131,9 @@ def start_of_run(cfg):
     settings = read_settings(cfg)
     data = instantiate(cfg.data)
     data.setup(Process())
-    check_count(settings.task, data, Process())
-    return settings, data, build_model(cfg, settings.trainer, Process(), None, data, settings.task)
+    run = Run(Process(), settings, data)
+    check_count(run)
+    return settings, data, build_model(cfg, run, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +281,7 @@ def test_a_masked_loss_is_the_mean_over_the_global_batchs_tokens(fork):
     ]
     assert micro == [38, 10]
     loss, _ = train_step(
-        parts, task, inputs, targets, len(inputs), Process(), Trainer(accumulate_grad_batches=2)
+        a_run(task, accumulate_grad_batches=2), parts, (inputs, targets, len(inputs))
     )
     torch.testing.assert_close(gradients(engine), expected)
     mean = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -287,7 +290,7 @@ def test_a_masked_loss_is_the_mean_over_the_global_batchs_tokens(fork):
 
 @pytest.mark.unit
 def test_evaluation_is_exact_for_any_batch_size(fork):
-    """src.training.evaluate on the fork's real Data: the same metrics for evaluation batches of
+    """The core's evaluate on the fork's real Data: the same metrics for evaluation batches of
     7, 64 and 1000 sequences (the loss to EVAL_LOSS_ATOL, float64 sums of float32 per-token
     losses taken in another order; the counts exactly), equal to the whole split's in one
     forward, and 2 ranks' shares of the split count every token once between them."""
@@ -304,7 +307,7 @@ def test_evaluation_is_exact_for_any_batch_size(fork):
         )
         _, data, model = start_of_run(cfg)
         found[size] = {
-            split: evaluate(model, task, data, split, Process()) for split in ("val", "test")
+            split: evaluate(a_run(task, data), model, split) for split in ("val", "test")
         }
     reference = found[1000]
     for size, metrics in found.items():
@@ -328,7 +331,7 @@ def test_evaluation_is_exact_for_any_batch_size(fork):
     shares = []
     for rank in range(2):
         data.setup(Process(rank=rank, world_size=2))
-        shares.append(evaluate(model, task, data, "val", Process(rank=rank, world_size=2)))
+        shares.append(evaluate(a_run(task, data, Process(rank=rank, world_size=2)), model, "val"))
     assert sum(s["val/correct"] for s in shares) == correct
     assert all(0 < s["val/correct"] < correct for s in shares), shares
 

@@ -21,18 +21,22 @@ computed where the tensor lives.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import zip_longest
 
 import torch
 from hydra.errors import CompactHydraException
 from torch import nn
 
+from src.core.hooks import Hook
+from src.core.state import Parts, Progress, Run
 from src.data import Data, labels_of
-from src.distributed import Process
+from src.distributed import Process, unwrap
 from src.errors import UserError
+from src.guards.checks import intact
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
 
@@ -151,3 +155,29 @@ def check_in_sync(model: nn.Module, process: Process, step: int, kept: str) -> N
             "code changes weights outside the optimizer step, on some ranks only: run python "
             "train.py debug=equivalence with this run's overrides to find it."
         )
+
+
+class DriftGuard(Hook):
+    """`parallel.check_sync_every_n_steps` under DDP: compare the ranks' parameters at each check
+    before an evaluation or a save ("eval"), and also every N steps (N)."""
+
+    def __init__(self, every: int | str) -> None:
+        self.every = every
+
+    @contextlib.contextmanager
+    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+        self.model = parts.model
+        yield
+
+    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+        if isinstance(self.every, int) and progress.step % self.every == 0:
+            self.in_sync(run, progress, self.model)
+
+    def agreed(
+        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
+    ) -> None:
+        if weights is not None:
+            self.in_sync(run, progress, weights)
+
+    def in_sync(self, run: Run, progress: Progress, weights: nn.Module) -> None:
+        check_in_sync(unwrap(weights), run.process, progress.step, intact(run))

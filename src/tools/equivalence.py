@@ -34,20 +34,24 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src import checkpoint, distributed, drift, launch
+from src import checkpoint, distributed, launch
+from src.build import build_model, build_parts, configure_kernels
+from src.core.evaluate import evaluate
+from src.core.state import Run
+from src.core.step import autocast, laid_out, train_step
+from src.core.task import Task
 from src.data import Data
 from src.distributed import Process
 from src.errors import UserError, first_line, instantiated
-from src.run import build_model, build_parts
+from src.guards import drift
+from src.launch.process import pick_device, setup, teardown
 from src.settings import Trainer, read_settings
-from src.tasks import Task
-from src.training import autocast, configure_kernels, evaluate, laid_out, train_step
 
 log = logging.getLogger("equivalence")
 
 PRECISIONS = ("64", "train")  # debug.precision: float64, or the config's own
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 PROCESSES = 2
 # Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
 # last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
@@ -127,7 +131,7 @@ def check(cfg: DictConfig) -> None:
         "Training %d steps in each layout, %s, dropout off, on %s (%s)",
         steps, in_what, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
     )  # fmt: skip
-    process = Process(device=distributed.pick_device(device))
+    process = Process(device=pick_device(device))
     one, trainer, data, fallback = compared(cfg, device, micro, precision == "64", task, process)
     if fallback:
         log.warning(
@@ -250,20 +254,20 @@ def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     settings = read_settings(cfg)
     trainer = settings.trainer
     configure_kernels(trainer)
-    process = distributed.setup(cfg, trainer)
+    process = setup(settings.parallel, trainer)
     try:
         data = instantiated("data", cfg.data)
         data.setup(process, trainer.dtype)
         return train_layouts(cfg, trainer, settings.task, process, data)
     finally:
-        distributed.teardown()
+        teardown()
 
 
 def train_layouts(
     cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
 ) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
-    weights = checkpoint.find_weights(cfg, process)  # init_from, where the config has one
+    weights = checkpoint.find_weights(read_settings(cfg), process)  # init_from, if it has one
     counts = [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else [])
     return [
         train_layout(cfg, dataclasses.replace(trainer, accumulate_grad_batches=k), task, process,
@@ -282,15 +286,16 @@ def train_layout(
 ) -> Trace:
     """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
     epoch), watching what makes layouts differ; evaluate the weights it ends with."""
-    model = build_model(cfg, trainer, process, weights, data, task)
-    parts = build_parts(cfg, trainer, model, data.steps_per_epoch, process, None)
+    run = run_of(cfg, trainer, process, data)
+    model = build_model(cfg, run, weights)
+    parts = build_parts(cfg, run, model, None)
     model.train()
     dropout_off(model)
     trace = Trace()
     try:
         steps = itertools.islice(batches(data, parts, trainer), cfg.debug.steps)
-        for step, (inputs, targets, size) in enumerate(steps, start=1):
-            loss, _ = train_step(parts, task, inputs, targets, size, process, trainer)
+        for step, batch in enumerate(steps, start=1):
+            loss, _ = train_step(run, parts, batch)
             if trainer.step_interval:
                 parts.scheduler.step()
             trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
@@ -303,11 +308,16 @@ def train_layout(
         trace.failed = f"step {len(trace.losses) + 1}: {DDP_UNUSED_PARAMETERS}"
     for split in ("val", "test"):
         if data.size(split):
-            metrics = evaluate(model, task, data, split, process, trainer)
+            metrics = evaluate(run, model, split)
             trace.evals[split] = {**metrics, "size": data.size(split)}
     state = checkpoint.model_state(model)  # under FSDP gathered, onto rank 0
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
+
+
+def run_of(cfg: DictConfig, trainer: Trainer, process: Process, data: Data) -> Run:
+    """A layout's run context: the config's settings with this layout's `trainer`."""
+    return Run(process, dataclasses.replace(read_settings(cfg), trainer=trainer), data)
 
 
 def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> None:
@@ -575,8 +585,8 @@ def probe(
     cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
 ) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
-    weights = checkpoint.find_weights(cfg, process)
-    model = build_model(cfg, trainer, process, weights, data, task)
+    weights = checkpoint.find_weights(read_settings(cfg), process)
+    model = build_model(cfg, run_of(cfg, trainer, process, data), weights)
     model.train()
     dropout_off(model)
     return model, next(data.train_batches(1))

@@ -20,7 +20,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from src.checkpoint import Best
+from src.core.state import Best
 from src.errors import UserError
 from src.logger import measured
 from src.settings import checkpoint_mode_of

@@ -1,0 +1,1 @@
+"""The training itself: the loop, the step, evaluation, the task contract, the state."""

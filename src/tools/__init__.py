@@ -1,0 +1,1 @@
+"""What a user asks for by a key, outside training itself."""
