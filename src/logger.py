@@ -11,13 +11,11 @@ import json
 import logging
 import netrc
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
-
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 
 from src import storage
 from src.distributed import Process
@@ -199,12 +197,13 @@ def _has_api_key(default_base_url: str) -> bool:
 
 
 def open_logger(
-    cfg: DictConfig,
     run_dir: Path,
     process: Process,
     resumed: tuple[Path, dict[str, Any]] | None = None,
+    tracker: Callable[[str | None], Any] | None = None,
 ) -> AbstractContextManager[MetricsLogger | None]:
-    """The main process's logger, with the tracker `cfg.logger` names; None on other ranks.
+    """The main process's logger, with the tracker `tracker(run_id)` builds (None: none); None
+    on other ranks.
 
     Used as a context manager, so the tracker is finished on every exit, errors included.
     A run `resumed` from (checkpoint path, checkpoint) continues its metrics and its wandb run.
@@ -216,19 +215,7 @@ def open_logger(
         path, state = resumed
         history = metrics_until(path.parent.parent / "metrics.jsonl", state["step"])
         run_id = state.get("wandb_id")
-    tracker = None
-    if cfg.logger._target_ is not None:
-        config = OmegaConf.to_container(cfg, resolve=True)
-        # Not recursive: the config's own _target_ entries are data for wandb, not objects to build.
-        tracker = instantiate(
-            cfg.logger,
-            run_dir=run_dir,
-            resolved_config=config,
-            run_id=run_id,
-            _recursive_=False,
-            _convert_="all",
-        )
-    return MetricsLogger(run_dir, tracker, history)
+    return MetricsLogger(run_dir, tracker and tracker(run_id), history)
 
 
 def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:

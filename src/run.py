@@ -11,9 +11,11 @@ DDP processes started for a job import it by name, however the job itself reache
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -35,6 +37,7 @@ from src.logger import open_logger
 from src.settings import Settings, read_settings
 from src.tools import plots
 from src.tools.profiler import Profiler
+from src.tools.progress import ProgressBar
 from src.tools.speed import Speed
 from src.tools.warmup import WarmUp
 
@@ -60,7 +63,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
         log.info("Run folder: %s", run_dir)
         with storage.held(run_dir, process), signals_interrupt():  # one run per folder
             resumed, weights, config = starting_point(cfg, settings, run_dir, process)
-            with open_logger(cfg, run_dir, process, resumed) as logger:  # wandb ends on any exit
+            with open_logger(run_dir, process, resumed, tracker(cfg, run_dir)) as logger:
                 data = instantiated("data", cfg.data)
                 data.setup(process, settings.trainer.dtype)
                 run = Run(process, settings, data, logger, run_dir=run_dir)
@@ -121,10 +124,27 @@ def hooks(settings: Settings) -> Hooks:
     chosen += [UnwrittenMetrics(), NonFinite(), StopSignals()]  # checked in this order
     if settings.check_sync is not None:  # DDP: the ranks' weights compared
         chosen.append(drift.DriftGuard(settings.check_sync))
-    chosen.append(Speed())
+    chosen += [ProgressBar(), Speed()]
     if trainer.profile:
         chosen.append(Profiler(trainer.profile))
     return Hooks(chosen)
+
+
+def tracker(cfg: DictConfig, run_dir: Path) -> Callable[[str | None], Any] | None:
+    """What builds the tracker `cfg.logger` names (wandb) on the main process, given the id of
+    the run it continues; None for none (metrics.jsonl only)."""
+    if cfg.logger._target_ is None:
+        return None
+    config = OmegaConf.to_container(cfg, resolve=True)
+    # Not recursive: the config's own _target_ entries are data for wandb, not objects to build.
+    return lambda run_id: instantiate(
+        cfg.logger,
+        run_dir=run_dir,
+        resolved_config=config,
+        run_id=run_id,
+        _recursive_=False,
+        _convert_="all",
+    )
 
 
 def evaluate_weights(run: Run, model: nn.Module, weights: tuple) -> tuple[Fitted, float | None]:

@@ -7,22 +7,13 @@ named points (`src/core/hooks.py`); what is saved and when is the checkpointer's
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 from typing import Any
-
-from tqdm import tqdm
 
 from src.core.evaluate import Fitted, evaluate_and_log
 from src.core.state import Parts, Progress, Run
 from src.core.step import train_step
 
 log = logging.getLogger(__name__)
-
-# One process draws the bar. tqdm's default lock is a multiprocessing one, for bars of several
-# processes on one terminal; in a spawned DDP worker, which ends without the interpreter's
-# teardown (launch.exit_worker), it would be reported as a leaked semaphore.
-tqdm.set_lock(threading.RLock())
 
 
 def fit(run: Run, parts: Parts, resumed: dict[str, Any] | None = None) -> Fitted:
@@ -77,13 +68,6 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
     `max_steps` or a stop signal."""
     trainer, data, hooks = run.trainer, run.data, run.hooks
     parts.model.train()
-    bar = tqdm(
-        initial=progress.epoch_step,
-        total=data.steps_per_epoch,
-        leave=False,
-        desc=f"epoch {progress.epoch}",
-        disable=not (run.process.is_main and sys.stdout.isatty()),
-    )
     for batch in data.train_batches(progress.epoch, progress.epoch_step):
         logs = (progress.step + 1) % trainer.log_every_n_steps == 0
         loss, grad_norm = train_step(run, parts, batch, measure_norm=logs)
@@ -91,7 +75,6 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         if trainer.step_interval:
             parts.scheduler.step()
         progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
-        bar.update()
         hooks.after_step(run, progress, loss)
         if logs:  # the ranks agree on the loss (and on the guards' checks), and it is logged
             mean = hooks.check(run, progress, loss.item())
@@ -105,7 +88,6 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
             stopping.stop(run, progress)
         if run.checkpointer.due(progress, data.steps_per_epoch):
             save(run, parts, progress)
-    bar.close()
     if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
         parts.scheduler.step()
 
