@@ -4,7 +4,9 @@ The pieces are tested in this process first (seconds); then real runs, under tor
 promise is about ranks.
 """
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ from src.core.step import train_step
 from src.data import Data
 from src.distributed import Process
 from src.errors import UserError
-from src.guards.checks import NonFinite, NonFiniteLoss
+from src.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics
+from src.guards.signals import StopSignals
 from src.settings import Checkpointing, Trainer
 from src.tasks import Classification
 
@@ -156,6 +159,28 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(NonFiniteLoss, match="weights were not finite after step 3"):
         save(checked(checkpointer)[0], trained, Progress(step=3))
     assert not checkpointer.last.exists()
+
+
+@pytest.mark.unit
+def test_the_guards_share_one_all_reduce_per_check():
+    """At a logging step the loss and every guard's votes travel in one all-reduce, as before the
+    guards were hooks: the loss, a bad loss, bad weights, refused metrics, a signal."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(Process):
+        reduced: list = dataclasses.field(default_factory=list)
+
+        def sum_over_ranks(self, values: list[float]) -> list[float]:
+            self.reduced.append(list(values))
+            return values
+
+    process = Counting()
+    run = a_run(process=process)
+    run.hooks = Hooks([UnwrittenMetrics(), NonFinite(), StopSignals()])
+    run.checkpointer = Checkpointer(Checkpointing(), Path("unused"), process, parts(), {}, None)
+    run.hooks.after_step(run, Progress(step=1), torch.tensor(0.5))
+    assert run.hooks.check(run, Progress(step=1), 0.5, parts().model) == 0.5
+    assert process.reduced == [[0.5, False, False, False, False]]
 
 
 @pytest.mark.unit
