@@ -171,7 +171,7 @@ def main() -> None:
         print(json.dumps({**line, "memory/peak_rss_mb": peak}))
     if ddp:
         dist.destroy_process_group()
-        # As train.py's workers do (src/launch.py: exit_worker): gloo can abort a process
+        # As train.py's workers do (src/launch/__init__.py: exit_worker): gloo can abort a process
         # while the interpreter tears down, which torchrun would report as a failed run.
         sys.stdout.flush()
         os._exit(0)
