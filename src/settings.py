@@ -239,7 +239,6 @@ class Settings:
     task: Any = None  # what is learned: its loss and metrics (src/tasks.py)
     parallel: Parallel = Parallel()
     paths: Checkpoints = Checkpoints()
-    seed: int = 1
     train: bool = True
     validates: bool = True  # data.val_size > 0: a validation split is held out
     # DDP: compare the ranks' parameters before each validation and save ("eval"), also every
@@ -498,7 +497,6 @@ def read_settings(cfg: DictConfig) -> Settings:
         task=task,
         parallel=_section(Parallel, parallel, device=str(cfg.device)),
         paths=Checkpoints(cfg.resume, cfg.init_from, cfg.ckpt_path),
-        seed=cfg.seed,
         train=cfg.train,
         validates=val_size > 0,
         check_sync=check_sync if cfg.parallel.mode == "ddp" else None,

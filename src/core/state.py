@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from src.core.hooks import Hooks  # which imports this module for its annotations only
+
 if TYPE_CHECKING:  # for the annotations only: these modules import this one
     from src.checkpoint import Checkpointer
-    from src.core.hooks import Hooks
     from src.core.task import Task
     from src.data import Data
     from src.distributed import Process
@@ -137,7 +138,7 @@ class Run:
     data: Data
     logger: MetricsLogger | None = None
     checkpointer: Checkpointer | None = None
-    hooks: Hooks = field(default_factory=lambda: _no_hooks())
+    hooks: Hooks = field(default_factory=Hooks)
     run_dir: Path | None = None
 
     @property
@@ -147,9 +148,3 @@ class Run:
     @property
     def task(self) -> Task:
         return self.settings.task
-
-
-def _no_hooks() -> Hooks:
-    from src.core.hooks import Hooks
-
-    return Hooks()

@@ -86,9 +86,8 @@ def check_count(run: Run) -> None:
     always 0, every target masked, would make each step's mean 0 / 0). Later batches with none
     stop the run at the next check of the losses, as any non-finite loss does."""
     inputs, targets, _ = next(run.data.train_batches(1))
-    if (
-        int(global_count([run.task.count(inputs, targets)], run.process)) == 0
-    ):  # int: refused in there
+    count = global_count([run.task.count(inputs, targets)], run.process)  # one process: 0 refused
+    if int(count) == 0:
         raise nothing_counted("the first training batch")
 
 
@@ -100,14 +99,14 @@ def nothing_counted(batch: str) -> UserError:
     )
 
 
-def laid_out(inputs: torch.Tensor, trainer: Trainer | None) -> torch.Tensor:
+def laid_out(inputs: torch.Tensor, trainer: Trainer) -> torch.Tensor:
     """Images in the memory layout `trainer.channels_last` asks; other inputs as they are."""
-    if trainer is None or inputs.ndim != 4:
+    if inputs.ndim != 4:
         return inputs
     return inputs.contiguous(memory_format=trainer.memory_format)
 
 
-def autocast(device: torch.device, trainer: Trainer | None) -> AbstractContextManager:
+def autocast(device: torch.device, trainer: Trainer) -> AbstractContextManager:
     """Mixed precision for `trainer.precision` (bf16 or 16); nothing at all for 32."""
-    dtype = trainer and trainer.autocast_dtype
+    dtype = trainer.autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
