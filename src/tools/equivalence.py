@@ -45,7 +45,7 @@ from src.distributed import Process
 from src.errors import UserError, first_line, instantiated
 from src.guards import drift
 from src.launch.process import pick_device, setup, teardown
-from src.settings import Trainer, read_settings
+from src.settings import Settings, Trainer, read_settings
 
 log = logging.getLogger("equivalence")
 
@@ -132,7 +132,8 @@ def check(cfg: DictConfig) -> None:
         steps, in_what, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
     )  # fmt: skip
     process = Process(device=pick_device(device))
-    one, trainer, data, fallback = compared(cfg, device, micro, precision == "64", task, process)
+    one, chosen, data, fallback = compared(cfg, device, micro, precision == "64", task, process)
+    trainer = chosen.trainer
     if fallback:
         log.warning(
             "Comparing in trainer.precision=%s instead, with its tolerance: %s",
@@ -142,7 +143,7 @@ def check(cfg: DictConfig) -> None:
         exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
         tolerance = FLOAT64 if trainer.precision == "64" else FLOAT32 if exact else LOWER_PRECISION
     ddp = layout_config(cfg, device, micro, mode, trainer.precision)
-    traces = train_layouts(one, trainer, task, process, data)
+    traces = train_layouts(one, chosen, process, data)
     traces += launch.start_workers(ddp_layouts, ddp)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
     reference = traces[0]
@@ -158,7 +159,7 @@ def check(cfg: DictConfig) -> None:
             else f"parallel={mode} changes",
         )  # fmt: skip
         return
-    model, batch = probe(one, trainer, task, process, data)
+    model, batch = probe(one, chosen, process, data)
     causes = likely_causes(layouts, rows, differ, model, randomness(model, task, batch, trainer),
                            ddp.parallel, tolerance)  # fmt: skip
     raise NotEquivalent(
@@ -169,35 +170,35 @@ def check(cfg: DictConfig) -> None:
 
 def compared(
     cfg: DictConfig, device: str, micro: int | None, float64: bool, task: Task, process: Process
-) -> tuple[DictConfig, Trainer, Data, str | None]:
-    """The one-process layouts' config, its trainer settings and its data set up on `process`:
-    in float64 where asked and the model runs in it, else in the config's own precision; and
-    why float64 was not used, where it was asked for."""
+) -> tuple[DictConfig, Settings, Data, str | None]:
+    """The one-process layouts' config, its settings and its data set up on `process`: in
+    float64 where asked and the model runs in it, else in the config's own precision; and why
+    float64 was not used, where it was asked for."""
 
-    def set_up(precision: str | None) -> tuple[DictConfig, Trainer, Data]:
+    def set_up(precision: str | None) -> tuple[DictConfig, Settings, Data]:
         one = layout_config(cfg, device, micro, "none", precision)
-        trainer = read_settings(one).trainer
-        configure_kernels(trainer)
+        settings = read_settings(one)
+        configure_kernels(settings.trainer)
         data = instantiated("data", one.data)
-        data.setup(process, trainer.dtype)
-        return one, trainer, data
+        data.setup(process, settings.trainer.dtype)
+        return one, settings, data
 
     fallback = None
     if float64:
-        one, trainer, data = set_up("64")
-        if not (fallback := float64_fails(one, trainer, task, process, data)):
-            return one, trainer, data, None
+        one, settings, data = set_up("64")
+        if not (fallback := float64_fails(one, settings, task, process, data)):
+            return one, settings, data, None
     return *set_up(None), fallback
 
 
 def float64_fails(
-    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
+    cfg: DictConfig, settings: Settings, task: Task, process: Process, data: Data
 ) -> str | None:
     """Why the model cannot train in float64 (one forward and backward of the first batch), or
     None where it can: a model that makes float32 tensors in its forward meets float64 ones."""
     try:
-        model, batch = probe(cfg, trainer, task, process, data)  # its preflight: a forward
-        gradients(model, task, batch, trainer)
+        model, batch = probe(cfg, settings, process, data)  # its preflight: a forward
+        gradients(model, task, batch, settings.trainer)
     except (UserError, RuntimeError, TypeError) as err:
         error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
         return f"the model fails in float64 ({first_line(error)})"
@@ -258,35 +259,27 @@ def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     try:
         data = instantiated("data", cfg.data)
         data.setup(process, trainer.dtype)
-        return train_layouts(cfg, trainer, settings.task, process, data)
+        return train_layouts(cfg, settings, process, data)
     finally:
         teardown()
 
 
-def train_layouts(
-    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
-) -> list[Trace]:
+def train_layouts(cfg: DictConfig, settings: Settings, process: Process, data: Data) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
-    weights = checkpoint.find_weights(read_settings(cfg), process)  # init_from, if it has one
+    weights = checkpoint.find_weights(settings, process)  # init_from, where the config has one
     counts = [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else [])
-    return [
-        train_layout(cfg, dataclasses.replace(trainer, accumulate_grad_batches=k), task, process,
-                     data, weights)
-        for k in counts
-    ]  # fmt: skip
+    traces = []
+    for k in counts:
+        trainer = dataclasses.replace(settings.trainer, accumulate_grad_batches=k)
+        run = Run(process, dataclasses.replace(settings, trainer=trainer), data)
+        traces.append(train_layout(cfg, run, weights))
+    return traces
 
 
-def train_layout(
-    cfg: DictConfig,
-    trainer: Trainer,
-    task: Task,
-    process: Process,
-    data: Data,
-    weights: tuple | None,
-) -> Trace:
+def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
     """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
     epoch), watching what makes layouts differ; evaluate the weights it ends with."""
-    run = run_of(cfg, trainer, process, data)
+    trainer, process, data = run.trainer, run.process, run.data
     model = build_model(cfg, run, weights)
     parts = build_parts(cfg, run, model, None)
     model.train()
@@ -313,11 +306,6 @@ def train_layout(
     state = checkpoint.model_state(model)  # under FSDP gathered, onto rank 0
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
-
-
-def run_of(cfg: DictConfig, trainer: Trainer, process: Process, data: Data) -> Run:
-    """A layout's run context: the config's settings with this layout's `trainer`."""
-    return Run(process, dataclasses.replace(read_settings(cfg), trainer=trainer), data)
 
 
 def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> None:
@@ -582,11 +570,11 @@ def is_batch_norm(module: nn.Module) -> bool:
 
 
 def probe(
-    cfg: DictConfig, trainer: Trainer, task: Task, process: Process, data: Data
+    cfg: DictConfig, settings: Settings, process: Process, data: Data
 ) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
-    weights = checkpoint.find_weights(read_settings(cfg), process)
-    model = build_model(cfg, run_of(cfg, trainer, process, data), weights)
+    weights = checkpoint.find_weights(settings, process)
+    model = build_model(cfg, Run(process, settings, data), weights)
     model.train()
     dropout_off(model)
     return model, next(data.train_batches(1))
