@@ -63,7 +63,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
         log.info("Run folder: %s", run_dir)
         with storage.held(run_dir, process), signals_interrupt():  # one run per folder
             resumed, weights, config = starting_point(cfg, settings, run_dir, process)
-            with open_logger(run_dir, process, resumed, tracker(cfg, run_dir)) as logger:
+            with open_logger(run_dir, process, resumed, tracker(cfg, config, run_dir)) as logger:
                 data = instantiated("data", cfg.data)
                 data.setup(process, settings.trainer.dtype)
                 run = Run(process, settings, data, logger, run_dir=run_dir)
@@ -130,12 +130,13 @@ def hooks(settings: Settings) -> Hooks:
     return Hooks(chosen)
 
 
-def tracker(cfg: DictConfig, run_dir: Path) -> Callable[[str | None], Any] | None:
+def tracker(
+    cfg: DictConfig, config: dict[str, Any], run_dir: Path
+) -> Callable[[str | None], Any] | None:
     """What builds the tracker `cfg.logger` names (wandb) on the main process, given the id of
-    the run it continues; None for none (metrics.jsonl only)."""
+    the run it continues, with the resolved `config`; None for none (metrics.jsonl only)."""
     if cfg.logger._target_ is None:
         return None
-    config = OmegaConf.to_container(cfg, resolve=True)
     # Not recursive: the config's own _target_ entries are data for wandb, not objects to build.
     return lambda run_id: instantiate(
         cfg.logger,
