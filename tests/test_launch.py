@@ -402,7 +402,7 @@ def test_parallel_timeout_bounds_a_collective_waiting_for_a_frozen_rank(tmp_path
     freeze_rank_1 = (
         'echo $$$$ > pid-$RANK; if [ "$RANK" = 1 ]; then (until '
         f"{training}; do sleep 0.1; done; touch frozen; kill -STOP $$$$; trap '' TERM; "
-        f"until {rank_0_ended}; do sleep 0.1; done; touch thawed; kill -CONT $$$$) & fi"
+        f"until {rank_0_ended}; do sleep 0.1; done; kill -CONT $$$$) & fi"
     )
     overrides = [
         f"data.root={tiny_data}",
