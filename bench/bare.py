@@ -102,9 +102,6 @@ def main() -> None:
     model, mean, std, seed = recipe(args.model)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=layout)
-    if args.compile:
-        # Static shapes: CUDA graphs record one graph per batch shape, in the warm-up.
-        model = torch.compile(model, mode=args.compile, dynamic=False)
     sampler = GlobalBatchSampler(len(labels), args.batch_size, rank, world, seed)
     sampler.set_epoch(1)  # the template's first epoch
     order = sampler.permutation().to(device)
@@ -118,7 +115,10 @@ def main() -> None:
     def timed(hook: bool) -> float:
         """Seconds for the timed steps, from the recipe's initial weights, with DDP's all-reduce
         or (`hook`) its no-op hook."""
-        trained = copy.deepcopy(model)
+        trained = copy.deepcopy(model)  # the plain module, compiled here: each run its own
+        if args.compile:
+            # Static shapes: CUDA graphs record one graph per batch shape, in the warm-up.
+            trained = torch.compile(trained, mode=args.compile, dynamic=False)
         if ddp:
             ids = [device.index] if device.type == "cuda" else None
             trained = torch.nn.parallel.DistributedDataParallel(
