@@ -290,6 +290,13 @@ def compose_config(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def mode_command(overrides: list[str], nproc: int | None) -> str:
+    """The command line of an equivalence test's mode, as the README writes it (the test's recipe
+    left out): tests/test_readme.py leaves the README's commands that are such modes to them."""
+    launcher = f"torchrun --nproc_per_node={nproc} train.py" if nproc else "python train.py"
+    return " ".join([launcher, *overrides])
+
+
 def readme_commands() -> list[str]:
     """Each command in the bash blocks of the README and of the pages it links (docs/*.md,
     bench/README.md), comments dropped, `a && b` split in two."""

@@ -1,5 +1,5 @@
-"""`parallel=` changes only the speed: none, dp, ddp and fsdp with 1 to 4 processes train the same
-run, and so does `trainer.accumulate_grad_batches`.
+"""`parallel=` changes only the speed: none, dp, ddp and fsdp train the same run in float32, and so
+does `trainer.accumulate_grad_batches`.
 
 Every mode trains the same config (SGD with momentum, a one-cycle schedule, 27 steps), and the
 per-step losses, the validations, the test and the final weights must agree to float32
@@ -10,7 +10,9 @@ What float32 can show: that every mode sums the same terms (a skipped sample or 
 partial batch moves a loss by 1e-2 or more), in the precision users train in. What it cannot:
 that a long run stays together, since a rounding difference that tips a near tie (a ReLU's input
 within 1e-7 of 0) sends the modes on visibly different runs from that step on, rightly; these 27
-steps meet none, on this CPU. tests/test_float64.py proves the whole epoch, in float64.
+steps meet none, on this CPU. tests/test_float64.py proves the whole epoch, in float64, in every
+mode, on 1 to 4 processes: the process counts, launchers and settings that are the same code as
+a mode here, and differ from it only in where float32 rounds, run there alone.
 """
 
 import math
@@ -61,39 +63,24 @@ MODES = {
     "ddp1": (["parallel=ddp"], 1),
     "ddp2": (["parallel=ddp"], 2),
     "ddp3": (["parallel=ddp"], 3),
-    "ddp4": (["parallel=ddp"], 4),
-    "ddp2-self-launched": (["parallel=ddp", "parallel.nproc_per_node=2"], None),
-    "ddp4-self-launched": (["parallel=ddp", "parallel.nproc_per_node=4"], None),  # on 2 cores
     # Gradient accumulation: the same global batches in micro-batches of 6 (the last batch's 8
     # images in 2s), all-reduced once per step under DDP.
     "none-accumulate4": (["trainer.accumulate_grad_batches=4"], None),
     "ddp2-accumulate2": (["parallel=ddp", "trainer.accumulate_grad_batches=2"], 2),
     # FSDP: each rank holds a shard of every layer (Linear units, then the root).
     "fsdp2": (["parallel=fsdp"], 2),
-    "fsdp3": (["parallel=fsdp"], 3),
-    "fsdp4": (["parallel=fsdp"], 4),
     "fsdp-self-launched": (["parallel=fsdp"], None),  # 2 processes on a machine without GPUs
-    "fsdp2-accumulate2": (["parallel=fsdp", "trainer.accumulate_grad_batches=2"], 2),
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
     "fsdp2-kept-gathered": (["parallel=fsdp", "parallel.reshard_after_forward=false"], 2),
 }
 # The main tier runs each mode, launcher and kind of split once: one process in micro-batches,
 # dp's fallback, DDP on 1, 2 and 3 ranks (3 split unevenly), in micro-batches, FSDP on 2 ranks and
-# self-launched. The other process counts and launchers, and FSDP's other settings, run with the
-# slow tests.
-SLOW = ("ddp4", "ddp4-self-launched", "ddp2-self-launched", "fsdp3", "fsdp4",
-        "fsdp2-accumulate2", "fsdp2-root-only", "fsdp2-kept-gathered")  # fmt: skip
+# self-launched. FSDP's other settings run with the slow tests; 4 processes, DDP self-launched and
+# FSDP on 3 and 4 ranks and in micro-batches run there in float64 (tests/test_float64.py).
+SLOW = ("fsdp2-root-only", "fsdp2-kept-gathered")
 COMPARED = [
     pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODES if m != "none"
 ]
-
-
-def command(mode: str) -> str:
-    """The command line of a mode, as the README writes it (the recipe left out):
-    tests/test_readme.py leaves the README's commands that are modes here to these runs."""
-    overrides, nproc = MODES[mode]
-    launcher = f"torchrun --nproc_per_node={nproc} train.py" if nproc else "python train.py"
-    return " ".join([launcher, *overrides])
 
 
 class Runs(dict):

@@ -56,12 +56,14 @@ BATCH_NORM = ["model=cnn_bn", "model.dropout1=0", "model.dropout2=0"]
 # The BatchNorm CNN's epoch is the first 600 images (25 steps): its float64 epoch of 3,008 took a
 # minute and a half here, and its one rank reduces nothing, so any length shows the same thing.
 BATCH_NORM_EPOCH = [*BATCH_NORM, "data.subset=600"]
-# mode: (overrides, torchrun's processes or None, the mode it must equal)
+# mode: (overrides, torchrun's processes or None, the mode it must equal). Every mode, process
+# count and launcher: the main tier's float32 comparison (tests/test_equivalence.py) runs DDP on 2
+# ranks under torchrun, so here they are started by train.py itself.
 MODES = {
     "none": ([], None, None),
     "dp-without-gpus": (["parallel=dp"], None, "none"),
     "ddp1": (["parallel=ddp"], 1, "none"),
-    "ddp2": (["parallel=ddp"], 2, "none"),
+    "ddp2-self-launched": (["parallel=ddp", "parallel.nproc_per_node=2"], None, "none"),
     "ddp3": (["parallel=ddp"], 3, "none"),
     "ddp4": (["parallel=ddp"], 4, "none"),
     "fsdp2": (["parallel=fsdp"], 2, "none"),

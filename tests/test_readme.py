@@ -13,6 +13,7 @@ import pytest
 from conftest import (
     REPO,
     defaults_for_tests,
+    mode_command,
     offline_env,
     ok,
     read_metrics,
@@ -21,8 +22,8 @@ from conftest import (
     write_image_folder,
 )
 from hydra import compose, initialize_config_dir
-from test_equivalence import MODES as EQUIVALENCE_MODES
-from test_equivalence import command as equivalence_command
+from test_equivalence import MODES as FLOAT32_MODES
+from test_float64 import MODES as FLOAT64_MODES
 
 RUNS = ("python train.py", "torchrun ", "WANDB_MODE=", "python -m torch.distributed.launch")
 SLOW_COMMANDS = ("_fast", "torch.distributed.launch")
@@ -72,10 +73,11 @@ SLURM = [c for c in readme_commands() if "hydra/launcher=slurm" in c]  # needs a
 # Commands that the tests of what they do run as written, on the tiny data, and check in depth:
 # - tests/test_debug_equivalence.py reads these tables;
 EQUIVALENCE = ["python train.py debug=equivalence", "python train.py debug=equivalence model=cnn"]
-# - tests/test_equivalence.py trains each of its modes (as a command: its `command`) with its
-#   recipe added, and compares their sums (the one-process modes, run in the test's process,
-#   cost little and are run here too);
-LAUNCHED = {equivalence_command(mode) for mode, (overrides, nproc) in EQUIVALENCE_MODES.items()
+# - tests/test_equivalence.py and tests/test_float64.py train each of their modes (as a command:
+#   `mode_command`) with their recipe added, and compare their sums (the one-process modes, run in
+#   the test's process, cost little and are run here too);
+MODE_LAUNCHES = [*FLOAT32_MODES.values(), *((o, n) for o, n, _ in FLOAT64_MODES.values())]
+LAUNCHED = {mode_command(overrides, nproc) for overrides, nproc in MODE_LAUNCHES
             if nproc or {"parallel=ddp", "parallel=fsdp"} & set(overrides)}  # fmt: skip
 MODES = [c for c in readme_commands() if c in LAUNCHED]
 # - tests/test_launch.py runs these sweeps' jobs, tests/test_config.py these searches.
