@@ -5,20 +5,22 @@ from __future__ import annotations
 import contextlib
 import gzip
 import importlib.util
-import io
 import json
 import logging
 import math
 import os
 import re
 import runpy
+import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
 import warnings
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +109,15 @@ def offline_env(**extra: str) -> dict[str, str]:
 
 
 def run(
-    command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
+    command: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    own_process: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run a command line to its end and return what it printed (stdout and stderr)."""
-    if runs_here(command, cwd):
+    """Run a command line to its end and return what it printed (stdout and stderr);
+    `own_process` for a `python train.py` whose exit is under test (what it prints then)."""
+    if not own_process and runs_here(command, cwd):
         return run_train_py_here(command, cwd=cwd, env=env or offline_env())
     return subprocess.run(
         command, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout
@@ -123,8 +130,10 @@ def train(
     *,
     nproc: int | None = None,
     env: dict[str, str] | None = None,
+    own_process: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python train.py` (or torchrun with nproc processes), run folders under tmp_path."""
+    """`python train.py` (or torchrun with nproc processes), run folders under tmp_path;
+    `own_process`: a process of its own even where the test's process could run it."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher = [
@@ -142,20 +151,19 @@ def train(
         f"paths.log_dir={tmp_path / 'outputs'}",
     ]
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return run(command, cwd=tmp_path, env=env)
+    return run(command, cwd=tmp_path, env=env, own_process=own_process)
 
 
-# What makes `python train.py` start processes of its own or more than one run: it stays a real
-# subprocess (the launcher, the sweep and debug=equivalence's processes are what such tests test).
-_NOT_HERE = re.compile(
-    r"-m|--multirun|parallel=(ddp|fsdp)|parallel\.nproc_per_node=.*|hydra/.*|debug=equivalence"
-)
+# What keeps `python train.py` a real subprocess: another launcher or sweeper (submitit starts
+# its jobs as processes, which the tests of it look at).
+_NOT_HERE = re.compile(r"hydra/.*")
 
 
 def runs_here(command: list[str], cwd: Path) -> bool:
-    """Whether `command` is `python train.py ...` that one process runs alone: no launcher, no
-    sweep. Such a command runs in the test's own process (run_train_py_here), unless
-    TESTS_IN_SUBPROCESSES=1 asks for every run as a process of its own."""
+    """Whether `command` is `python train.py ...`, which then runs in the test's own process
+    (run_train_py_here), unless TESTS_IN_SUBPROCESSES=1 asks for every run as a process of its
+    own. The processes such a run starts (self-launched DDP workers, debug=equivalence's) are
+    real ones, started by the same code as from the command line."""
     return (
         len(command) > 1
         and command[0] == sys.executable
@@ -165,6 +173,11 @@ def runs_here(command: list[str], cwd: Path) -> bool:
     )
 
 
+# The signals whose handlers a run may set (its own stop signals; the DDP launcher's), reset
+# after it: a handler a run left behind would act on this test process's next signal.
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 def run_train_py_here(
     command: list[str], cwd: Path, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
@@ -172,10 +185,15 @@ def run_train_py_here(
     environment, working folder and arguments, its output captured and its exit status kept.
 
     The same code runs as from the command line (Hydra's real parsing, run folder, logging and
-    error reports); what it saves is the start of a process, about 6 s here (torch, torch._dynamo
-    and Hydra imported), paid once per test worker instead of once per run."""
+    error reports); what it saves is the start of a process, 3 to 5 s here (torch, torch._dynamo
+    and Hydra imported), paid once per test worker instead of once per run. The output is taken
+    from the file descriptors, so that what the processes the run starts print is in it too."""
     saved_env, saved_argv, saved_cwd, saved_path = dict(os.environ), sys.argv, os.getcwd(), sys.path
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    handlers = {signum: signal.getsignal(signum) for signum in HANDLED}
+    code = 0
+    # The helper process multiprocessing starts once for this process, when a run first starts
+    # processes, and which outlives the run: started here, not in the run's folder.
+    resource_tracker.ensure_running()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -183,32 +201,53 @@ def run_train_py_here(
     # What a new interpreter would import from: the script's folder, then PYTHONPATH.
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path = [str(REPO), *pythonpath, *sys.path]
-    try:
-        with (
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-            warnings.catch_warnings(),  # shown as a new process shows them, not kept by pytest
-        ):
-            warnings.simplefilter("default")
-            try:
-                runpy.run_path(str(REPO / "train.py"), run_name="__main__")
-            except SystemExit as exit:  # as the interpreter turns it into an exit status
-                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-                if isinstance(exit.code, str):
-                    print(exit.code, file=sys.stderr)
-            except Exception:  # noqa: BLE001 (what Hydra did not catch: a traceback, exit 1)
-                traceback.print_exc()
-                code = 1
-    finally:
-        for handler in logging.getLogger().handlers[:]:  # Hydra's, on this run's streams
-            logging.getLogger().removeHandler(handler)
-            handler.close()
-        os.environ.clear()
-        os.environ.update(saved_env)
-        urllib.request.install_opener(None)  # built at its first use, with that moment's proxies
-        os.chdir(saved_cwd)
-        sys.argv, sys.path = saved_argv, saved_path
-    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        kept = os.dup(1), os.dup(2)
+        os.dup2(out_file.fileno(), 1)
+        os.dup2(err_file.fileno(), 2)
+        out = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the descriptor stays
+        err = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        try:
+            with (
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+                warnings.catch_warnings(),  # shown as a new process shows them, not kept by pytest
+            ):
+                warnings.simplefilter("default")
+                try:
+                    runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+                except SystemExit as exit:  # as the interpreter turns it into an exit status
+                    code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+                    if isinstance(exit.code, str):
+                        print(exit.code, file=sys.stderr)
+                except Exception:  # noqa: BLE001 (what Hydra did not catch: a traceback, exit 1)
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            for handler in logging.getLogger().handlers[:]:  # Hydra's, on this run's streams
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+            out.flush()
+            err.flush()
+            os.dup2(kept[0], 1)
+            os.dup2(kept[1], 2)
+            os.close(kept[0])
+            os.close(kept[1])
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            urllib.request.install_opener(
+                None
+            )  # built at its first use, with that moment's proxies
+            os.chdir(saved_cwd)
+            sys.argv, sys.path = saved_argv, saved_path
+        printed = [
+            file.seek(0) or file.read().decode(errors="replace") for file in (out_file, err_file)
+        ]
+    return subprocess.CompletedProcess(command, code, *printed)
 
 
 def defaults_for_tests(overrides: list[str]) -> list[str]:

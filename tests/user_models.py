@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+from hydra.experimental.callback import Callback
 from torch import nn
 
 from src.models import MLP
@@ -90,7 +91,7 @@ class Float32Inside(MLP):
         return super().forward(x)
 
 
-class WandbModeByJob:
+class WandbModeByJob(Callback):
     """A Hydra callback (`hydra.callbacks`) that sets each job's WANDB_MODE, as a user's own
     callback might set any variable: offline for job 0, disabled for job 1."""
 
