@@ -239,15 +239,14 @@ def run_train_py_here(
                 signal.signal(signum, handler)
             os.environ.clear()
             os.environ.update(saved_env)
-            urllib.request.install_opener(
-                None
-            )  # built at its first use, with that moment's proxies
+            # urllib's opener is built at its first use, with that moment's proxies.
+            urllib.request.install_opener(None)
             os.chdir(saved_cwd)
             sys.argv, sys.path = saved_argv, saved_path
-        printed = [
-            file.seek(0) or file.read().decode(errors="replace") for file in (out_file, err_file)
-        ]
-    return subprocess.CompletedProcess(command, code, *printed)
+        out_file.seek(0)
+        err_file.seek(0)
+        stdout, stderr = (file.read().decode(errors="replace") for file in (out_file, err_file))
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 def defaults_for_tests(overrides: list[str]) -> list[str]:
