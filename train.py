@@ -30,10 +30,8 @@ from src.tools import equivalence
 def main(cfg: DictConfig) -> float | None:
     if cfg.get("debug", {}).get("equivalence"):  # debug=equivalence: compare, don't train
         return equivalence.check(cfg)
-    if launch.starts_workers_here(
-        cfg
-    ):  # parallel=ddp without torchrun: start the DDP processes here
-        read_settings(cfg)  # its values checked before any process starts
+    if launch.starts_workers_here(cfg):  # parallel=ddp without torchrun: start them here
+        read_settings(cfg)  # the config's values checked before any process starts
         return launch.start_workers(train, cfg)
     if launch.under_torchrun():  # a DDP worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)

@@ -59,8 +59,10 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
 
 def build_parts(cfg: DictConfig, run: Run, model: nn.Module, state: dict | None) -> Parts:
     """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
-    the checkpoint `state` training resumes."""
+    the checkpoint `state` training resumes (a mid-epoch one put in this config's batches)."""
     trainer, process, steps_per_epoch = run.trainer, run.process, run.data.steps_per_epoch
+    if state:
+        resume.rebatch(state, cfg.data.batch_size, run.data.size("train"))
     optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
     chosen = resume.settings_of(optimizer)  # this config's lr, momentum, ...
     scaler_type = torch.amp.GradScaler

@@ -25,12 +25,11 @@ from src.checkpoint import Checkpointer
 from src.core.evaluate import Fitted, evaluate_and_log, test
 from src.core.hooks import Hooks
 from src.core.loop import fit
-from src.core.state import Run
-from src.core.step import check_count
+from src.core.state import Parts, Run
 from src.distributed import Process, unwrap
 from src.errors import instantiated, on_every_rank
 from src.guards import drift
-from src.guards.checks import NonFinite, UnwrittenMetrics
+from src.guards.checks import NonFinite, UnwrittenMetrics, check_count
 from src.guards.signals import StopSignals, during_the_test, interrupted, signals_interrupt
 from src.launch.process import setup, shared_run_dir, teardown
 from src.logger import open_logger
@@ -65,14 +64,17 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
             resumed, weights, config = starting_point(cfg, settings, run_dir, process)
             with open_logger(run_dir, process, resumed, tracker(cfg, config, run_dir)) as logger:
                 data = instantiated("data", cfg.data)
-                data.setup(process, settings.trainer.dtype)
-                run = Run(process, settings, data, logger, run_dir=run_dir)
+                data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
+                run = Run(process, settings, data, logger, hooks=hooks(settings), run_dir=run_dir)
                 if cfg.train:  # under DDP: the ranks' shares of the first batch make it up
                     drift.check_first_batch(data, process)
                     check_count(run)  # and it has something to learn from
                 model = build_model(cfg, run, weights)
                 if cfg.train:
-                    fitted = fit_model(cfg, run, model, resumed, config)
+                    state = resumed and resumed[1]
+                    parts = build_parts(cfg, run, model, state)
+                    run.checkpointer = checkpointer(run, parts, config, resumed)
+                    fitted = fit(run, parts, state)
                     result = fitted.best and fitted.best.value
                     when = during_the_test(fitted.step, run.checkpointer)  # for a signal now
                 else:  # train=false: the checkpoint's weights, on the validation split too
@@ -100,21 +102,14 @@ def starting_point(
     return resumed, resumed or checkpoint.find_weights(settings, process), config
 
 
-def fit_model(
-    cfg: DictConfig, run: Run, model: nn.Module, resumed: tuple | None, config: dict[str, Any]
-) -> Fitted:
-    """Train `model`, with its optimizer, its schedule, its checkpointer and the loop's hooks."""
-    state = resumed and resumed[1]
-    if state:  # a mid-epoch checkpoint, in this config's batches
-        resume.rebatch(state, cfg.data.batch_size, run.data.size("train"))
-    parts = build_parts(cfg, run, model, state)
+def checkpointer(
+    run: Run, parts: Parts, config: dict[str, Any], resumed: tuple | None
+) -> Checkpointer:
+    """What saves the run's checkpoints; the one it resumes from is kept until it writes its own."""
     wandb_id = run.logger.run_id if run.logger else None
-    policy = run.settings.checkpoint
-    run.checkpointer = Checkpointer(policy, run.run_dir, run.process, parts, config, wandb_id)
-    if resumed:  # intact until this run writes its own
-        run.checkpointer.kept = (resumed[0], state["step"])
-    run.hooks = hooks(run.settings)
-    return fit(run, parts, state)
+    saver = Checkpointer(run.settings.checkpoint, run.run_dir, run.process, parts, config, wandb_id)
+    saver.kept = resumed and (resumed[0], resumed[1]["step"])
+    return saver
 
 
 def hooks(settings: Settings) -> Hooks:

@@ -8,6 +8,7 @@ these settings instead of the DictConfig.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -141,6 +142,11 @@ class Trainer:
     @property
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        """Mixed precision on `device` for bf16 or 16; nothing at all for 32 and 64."""
+        dtype = self.autocast_dtype
+        return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ from hydra.utils import instantiate
 from src.build import build_model
 from src.core.evaluate import evaluate, float64_sum
 from src.core.state import Parts, Run
-from src.core.step import check_count, train_step
+from src.core.step import train_step
 from src.distributed import Process
 from src.errors import UserError
+from src.guards.checks import check_count
 from src.settings import read_settings
 from src.tasks import Classification, Regression
 

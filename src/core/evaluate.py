@@ -10,7 +10,6 @@ from torch import nn
 
 from src import checkpoint
 from src.core.state import Best, Run
-from src.core.step import autocast, laid_out
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +77,8 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     sums: dict[str, float] = {}
     # Under FSDP every forward is collective: each rank runs as many as the rank with the most.
     for inputs, targets in run.data.eval_batches(split, even=process.mode == "fsdp"):
-        with autocast(process.device, trainer):
-            outputs = model(laid_out(inputs, trainer))
+        with trainer.autocast(process.device):
+            outputs = model(inputs)
         batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
         for key, value in batch.items():
             sums[key] = sums.get(key, 0.0) + float64_sum(value)

@@ -18,11 +18,8 @@ log = logging.getLogger(__name__)
 
 def fit(run: Run, parts: Parts, resumed: dict[str, Any] | None = None) -> Fitted:
     """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping),
-    validating after each epoch and saving checkpoints; continue where `resumed` stood.
-
-    Without a validation split (`data.val_size=0`) nothing is validated or selected. The test
-    split is not touched here.
-    """
+    validating after each epoch (with a validation split) and saving checkpoints; continue where
+    `resumed` stood. The test split is not touched here."""
     settings, saver, hooks = run.settings, run.checkpointer, run.hooks
     progress = Progress.start(saver.policy, settings.validates, resumed, run.data.steps_per_epoch)
     if why := why_finished(progress, run):
@@ -49,12 +46,9 @@ def fit(run: Run, parts: Parts, resumed: dict[str, Any] | None = None) -> Fitted
 
 def why_finished(progress: Progress, run: Run) -> str:
     """Why training is over (all epochs done, `max_steps` reached, stopped early), or "" if not."""
-    trainer = run.trainer
-    if trainer.max_steps is not None and progress.step >= trainer.max_steps:
-        return (
-            f"trainer.max_steps={trainer.max_steps} reached: {progress.step} optimizer steps done"
-        )
-    best, patience = progress.best, trainer.early_stopping_patience
+    trainer, best, patience = run.trainer, progress.best, run.trainer.early_stopping_patience
+    if (steps := trainer.max_steps) is not None and progress.step >= steps:
+        return f"trainer.max_steps={steps} reached: {progress.step} optimizer steps done"
     if best is not None and patience is not None and best.stale >= patience:
         return (
             f"early stopping: {best.monitor} has not improved for {best.stale} validations; the "

@@ -16,6 +16,7 @@ from torch import nn
 from src import fsdp
 from src.core.hooks import Hook
 from src.core.state import Progress, Run
+from src.core.step import global_count, nothing_counted
 from src.distributed import unwrap
 
 
@@ -94,3 +95,13 @@ def non_finite(what: str, run: Run) -> NonFiniteLoss:
         f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(run)}). "
         f"Try {', '.join(tries[:-1])} or {tries[-1]}."
     )
+
+
+def check_count(run: Run) -> None:
+    """Before training: the task counts loss terms in the first global batch (a count that is
+    always 0, every target masked, would make each step's mean 0 / 0). Later batches with none
+    stop the run at the next check of the losses, as any non-finite loss does."""
+    inputs, targets, _ = next(run.data.train_batches(1))
+    count = global_count([run.task.count(inputs, targets)], run.process)  # one process: 0 refused
+    if int(count) == 0:
+        raise nothing_counted("the first training batch")

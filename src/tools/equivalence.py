@@ -38,7 +38,7 @@ from src import checkpoint, distributed, launch
 from src.build import build_model, build_parts, configure_kernels
 from src.core.evaluate import evaluate
 from src.core.state import Run
-from src.core.step import autocast, laid_out, train_step
+from src.core.step import train_step
 from src.core.task import Task
 from src.data import Data
 from src.distributed import Process
@@ -180,7 +180,7 @@ def compared(
         settings = read_settings(one)
         configure_kernels(settings.trainer)
         data = instantiated("data", one.data)
-        data.setup(process, settings.trainer.dtype)
+        data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
         return one, settings, data
 
     fallback = None
@@ -258,7 +258,7 @@ def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     process = setup(settings.parallel, trainer)
     try:
         data = instantiated("data", cfg.data)
-        data.setup(process, trainer.dtype)
+        data.setup(process, trainer.dtype, trainer.memory_format)
         return train_layouts(cfg, settings, process, data)
     finally:
         teardown()
@@ -599,7 +599,7 @@ def gradients(
     count = task.count(inputs, targets)  # one process's batch: its own count is the global one
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
-    with autocast(inputs.device, trainer):
-        loss = task.loss(model(laid_out(inputs, trainer)), inputs, targets) / count
+    with trainer.autocast(inputs.device):
+        loss = task.loss(model(inputs), inputs, targets) / count
     loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
