@@ -16,6 +16,7 @@ import torch
 from conftest import (
     REPO,
     TESTS,
+    WEIGHT_ATOL,
     assert_same_training,
     defaults_for_tests,
     last,
@@ -684,3 +685,33 @@ def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(
     assert "Resuming at epoch 1, after 4 of its batches, step 2" in printed(result)
     state = last(run_dir)
     assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 7, 5)
+
+
+# A last.pt written by the template before its checkpoint was made of parts that save their own
+# state (commit 77da666), with this test's tiny data (make_dataset's defaults) and RUN_OF_OLD:
+#   python train.py logger=none plots=false data.root=DATA data.val_size=50 model.hidden=4 \
+#     optimizer.momentum=0.9 scheduler=step trainer.epochs=2 trainer.max_steps=6
+# It stands after step 6, 2 batches into epoch 2, with SGD's momentum and StepLR's state.
+OLD_CHECKPOINT = REPO / "tests" / "data" / "checkpoint-77da666" / "last.pt"
+RUN_OF_OLD = ["logger=none", "model.hidden=4", "optimizer.momentum=0.9", "scheduler=step",
+              "trainer.epochs=2"]  # fmt: skip
+
+
+def test_a_checkpoint_written_before_this_layout_resumes_exactly(tmp_path, tiny_data):
+    """Its weights, momentum, schedule, position in the epoch and random streams all continue:
+    the resumed run ends with the weights of a run of this code never stopped."""
+    common = [f"data.root={tiny_data}", *RUN_OF_OLD]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ok(train([*common, f"hydra.run.dir={whole}"], tmp_path))
+    result = ok(train([*common, f"resume={OLD_CHECKPOINT}", f"hydra.run.dir={resumed}"], tmp_path))
+    assert "Resuming at epoch 2, after 2 of its batches, step 6" in printed(result)
+    got, want = last(resumed), last(whole)
+    # Its first 6 steps were computed on another machine (on this one, equal to the bit): float32
+    # rounding of other kernels moves the weights by 1e-7 (conftest's WEIGHT_ATOL); a momentum,
+    # a learning rate or a batch lost on resuming moves them by 1e-4 or more.
+    for key, tensor in want["model"].items():
+        torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=WEIGHT_ATOL)
+    for number, moments in want["optimizer"]["state"].items():
+        torch.testing.assert_close(
+            got["optimizer"]["state"][number], moments, rtol=0, atol=WEIGHT_ATOL
+        )
