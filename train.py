@@ -10,7 +10,7 @@
     python train.py debug=equivalence model=cnn               # does DDP train it as one process?
 
 Every knob is in conf/; `python train.py --help` lists them. This file picks how the run is
-launched; the run itself, top to bottom, is `train` in src/run.py.
+launched; the run itself, top to bottom, is `train` in src/engine/run.py.
 """
 
 import os
@@ -20,10 +20,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from src import launch
-from src.run import train
-from src.settings import read_settings
-from src.tools import equivalence
+from src.engine import launch
+from src.engine.run import train
+from src.engine.settings import read_settings
+from src.engine.tools import equivalence
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -13,7 +13,7 @@ line: the epoch's training images per second.
 measures speed) so that compilation and CUDA graph capture stay out of the timing. --steps times
 only the epoch's first steps. bench/scaling.py varies the rest under torchrun: DDP's
 --bucket-cap-mb and --gradient-as-bucket-view, --accumulate (each step's share split into
-micro-batches, all-reducing in the last one's backward only, as src/core/step.py's train_step
+micro-batches, all-reducing in the last one's backward only, as src/engine/core/step.py's train_step
 does) and --no-communication (a DDP hook that skips the all-reduce: the same step, compute only;
 --also-no-communication times it after the all-reduce's run, in the same processes).
 """
@@ -35,8 +35,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from src.data import GlobalBatchSampler  # noqa: E402
 from src.datasets import IDX_FILES, find_file, find_idx_folder, read_idx  # noqa: E402
+from src.engine.data import GlobalBatchSampler  # noqa: E402
 
 
 def recipe(model: str) -> tuple[torch.nn.Module, float, float, int]:
@@ -171,8 +171,8 @@ def main() -> None:
         print(json.dumps({**line, "memory/peak_rss_mb": peak}))
     if ddp:
         dist.destroy_process_group()
-        # As train.py's workers do (src/launch/__init__.py: exit_worker): gloo can abort a process
-        # while the interpreter tears down, which torchrun would report as a failed run.
+        # As train.py's workers do (src/engine/launch/__init__.py: exit_worker): gloo can abort a
+        # process while the interpreter tears down, which torchrun would report as a failed run.
         sys.stdout.flush()
         os._exit(0)
 

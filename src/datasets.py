@@ -1,7 +1,8 @@
 """Where the data come from: find (or download) a dataset's files and read each split as a
 map-style `Dataset` of (input, target) pairs. The classes here read images, an image being a
 uint8 tensor C×H×W and its target an int label; a class of your own may give inputs and targets
-of any shape and dtype (float features, int64 tokens), which `src/data.py` batches as they are.
+of any shape and dtype (float features, int64 tokens), which `src/engine/data.py` batches as
+they are.
 
 One class per kind of files, named by `dataset:` in its `conf/data/` file:
 
@@ -13,9 +14,10 @@ One class per kind of files, named by `dataset:` in its `conf/data/` file:
 Each has `prepare()` (find or download the files: one process per machine runs it while the
 others wait), `split(name)` (the `train` or `test` Dataset; one with `tensors()`, as `Tensors`,
 is handed over whole) and `classes` (the label names, or None, known after `split`). Its
-constructor gets the keys of its `conf/data/` file that `src/data.py` does not take, and each
-of `src/data.py`'s own (image_size, num_classes, seed, …) it has a parameter of that name for.
-`src/data.py` holds the splits in memory and batches them, the same way for all. A class
+constructor gets the keys of its `conf/data/` file that `src/engine/data.py` does not take, and
+each of `src/engine/data.py`'s own (image_size, num_classes, seed, …) it has a parameter of that
+name for.
+`src/engine/data.py` holds the splits in memory and batches them, the same way for all. A class
 whose samples must be decoded one by one may keep them decoded in a cache file: it then has
 `cache_path(split)` and `fingerprint(dataset)`, as `ImageFolder` has.
 """
@@ -42,8 +44,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from src import storage
-from src.errors import UserError, first_line
+from src.engine import storage
+from src.engine.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 

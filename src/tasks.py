@@ -1,5 +1,6 @@
 """The template's two tasks, classification and regression, each a class with the contract of
-`src/core/task.py` (`count`, `loss`, `sums`, `metrics`), and the check that a model fits its task.
+`src/engine/core/task.py` (`count`, `loss`, `sums`, `metrics`), and the check that a model fits
+its task.
 
 A task is named by `conf/task/*.yaml` (`_target_`); a fork writes its own, in any importable file.
 """
@@ -12,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from src.core.task import Task
-from src.errors import UserError, first_line, instantiated
+from src.engine.core.task import Task
+from src.engine.errors import UserError, first_line, instantiated
 
 
 class Classification:

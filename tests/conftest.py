@@ -562,12 +562,12 @@ def __getattr__(name: str):  # torchvision is imported only by the tests that us
 
 
 def a_run(task: Any = None, data: Any = None, process: Any = None, **trainer: Any) -> Any:
-    """The run context the core's functions take (src/core/state.py), for calling them in this
-    process: the task (classification by default), the data, this process, and `Trainer(**trainer)`
-    settings. It monitors val/loss, which every task returns."""
-    from src.core.state import Run
-    from src.distributed import Process
-    from src.settings import Checkpointing, Settings, Trainer
+    """The run context the core's functions take (src/engine/core/state.py), for calling them in
+    this process: the task (classification by default), the data, this process, and
+    `Trainer(**trainer)` settings. It monitors val/loss, which every task returns."""
+    from src.engine.core.state import Run
+    from src.engine.distributed import Process
+    from src.engine.settings import Checkpointing, Settings, Trainer
     from src.tasks import Classification
 
     checkpoint = Checkpointing(monitor="val/loss", mode="min")

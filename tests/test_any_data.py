@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.data import Data
 from src.datasets import Tensors
-from src.distributed import Process
-from src.errors import UserError
-from src.guards import drift
+from src.engine.data import Data
+from src.engine.distributed import Process
+from src.engine.errors import UserError
+from src.engine.guards import drift
 
 pytestmark = pytest.mark.unit
 

@@ -27,10 +27,10 @@ from hydra.errors import (
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.build import build_scheduler, check_schedule
-from src.data import Data
-from src.errors import UserError, instantiated
-from src.settings import _check_types, read_settings
+from src.engine.build import build_scheduler, check_schedule
+from src.engine.data import Data
+from src.engine.errors import UserError, instantiated
+from src.engine.settings import _check_types, read_settings
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -146,7 +146,7 @@ def test_parallel_options(parallel):
 def test_logger_options():
     assert compose_config("logger=none").logger._target_ is None
     wandb = compose_config("logger=wandb").logger
-    assert wandb._target_ == "src.logger.WandbTracker" and wandb.mode is None
+    assert wandb._target_ == "src.engine.logger.WandbTracker" and wandb.mode is None
 
 
 @pytest.mark.unit

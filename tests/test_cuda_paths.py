@@ -10,14 +10,14 @@ from conftest import a_run, compose_config
 from hydra.utils import instantiate
 from torch import nn
 
-from src import checkpoint
-from src.build import configure_kernels
-from src.core.state import Parts
-from src.distributed import Process
-from src.errors import UserError
-from src.launch.process import check_data_parallel, rank_gpu
-from src.settings import Trainer
-from src.tools.warmup import warm_up
+from src.engine import checkpoint
+from src.engine.build import configure_kernels
+from src.engine.core.state import Parts
+from src.engine.distributed import Process
+from src.engine.errors import UserError
+from src.engine.launch.process import check_data_parallel, rank_gpu
+from src.engine.settings import Trainer
+from src.engine.tools.warmup import warm_up
 
 
 @pytest.mark.unit

@@ -17,10 +17,10 @@ from conftest import (
 )
 from torch.utils.data import DistributedSampler
 
-from src.data import Data, GlobalBatchSampler
 from src.datasets import find_idx_folder, read_idx
-from src.distributed import Process
-from src.errors import UserError
+from src.engine.data import Data, GlobalBatchSampler
+from src.engine.distributed import Process
+from src.engine.errors import UserError
 
 
 def mnist(root, **overrides) -> Data:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import TESTS, compose_config, offline_env, ok, printed, train
 
-from src.errors import UserError
-from src.settings import read_settings
-from src.tools import equivalence
-from src.tools.equivalence import Difference, Trace
+from src.engine.errors import UserError
+from src.engine.settings import read_settings
+from src.engine.tools import equivalence
+from src.engine.tools.equivalence import Difference, Trace
 
 LAYOUTS = ["1 process (reference)", "1 process × 2 micro-batches", "2 DDP processes",
            "2 DDP processes × 2 micro-batches"]  # fmt: skip

@@ -39,9 +39,9 @@ from conftest import (
 )
 from hydra.utils import instantiate
 
-from src.core.evaluate import evaluate
-from src.data import Data
-from src.distributed import Process
+from src.engine.core.evaluate import evaluate
+from src.engine.data import Data
+from src.engine.distributed import Process
 
 RECIPE = [
     "logger=none",

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import compose_config, make_dataset
 from hydra.utils import instantiate
 
-from src import fsdp
-from src.distributed import Process
-from src.errors import UserError
+from src.engine import fsdp
+from src.engine.distributed import Process
+from src.engine.errors import UserError
 from src.models import MLP
 
 pytestmark = pytest.mark.unit

@@ -21,10 +21,10 @@ from conftest import (
 )
 from torch import nn
 
-from src import checkpoint, distributed
-from src.checkpoint import restore
 from src.datasets import find_idx_folder
-from src.distributed import Process
+from src.engine import checkpoint, distributed
+from src.engine.checkpoint import restore
+from src.engine.distributed import Process
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,9 +20,9 @@ from conftest import (
 )
 from PIL import Image
 
-from src.data import Data
-from src.distributed import Process
-from src.errors import UserError
+from src.engine.data import Data
+from src.engine.distributed import Process
+from src.engine.errors import UserError
 
 
 def folder_data(root, **overrides) -> Data:
@@ -152,7 +152,7 @@ def test_augmentation_does_not_depend_on_the_world_size_and_a_resume_repeats_it(
 def test_the_augmentation_is_a_padded_random_crop_and_a_flip():
     """Each augmented image equals some crop of the image padded by `pad` black pixels, flipped
     or not; over a batch, both flips and several offsets occur."""
-    from src.data import Augment
+    from src.engine.data import Augment
 
     images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
     augmented = Augment(pad=1, seed=0, rank=0, world_size=1)(
@@ -416,7 +416,7 @@ def test_fixed_size_datasets_refuse_another_size_or_channel_count(tiny_data):
 def test_mean_and_std_do_not_depend_on_the_batching():
     """Summed exactly: the tensor path (chunks on the device) and loader=torch (DataLoader
     batches) normalise with the very same values, and a constant channel has a std of 0."""
-    from src.data import mean_and_std
+    from src.engine.data import mean_and_std
 
     images = torch.randint(0, 256, (300, 3, 16, 16), dtype=torch.uint8)
     whole = mean_and_std(iter([images]))
@@ -429,7 +429,7 @@ def test_mean_and_std_do_not_depend_on_the_batching():
 
 @pytest.mark.unit
 def test_augmentation_takes_any_seed():
-    from src.data import Augment
+    from src.engine.data import Augment
 
     images = torch.zeros(4, 1, 8, 8, dtype=torch.uint8)
     for seed in (0, 2**31 - 1, 10**18):
@@ -500,7 +500,7 @@ def test_a_dataset_class_of_ones_own_needs_only_what_the_readme_says(tmp_path, l
 def test_image_folder_without_a_root_says_what_to_set():
     from conftest import compose_config
 
-    from src.settings import read_settings
+    from src.engine.settings import read_settings
 
     with pytest.raises(UserError, match=r"data.root has no value: add data.root=... to the "):
         read_settings(compose_config("data=image_folder"))

@@ -4,7 +4,7 @@ import pytest
 import wandb
 from conftest import offline_env, ok, read_metrics, run_dirs, train
 
-from src.logger import wandb_mode
+from src.engine.logger import wandb_mode
 
 DEFAULT = wandb.Settings().base_url
 

@@ -17,10 +17,10 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
-from src.distributed import Process
+from src.engine.distributed import Process
+from src.engine.tools import plots
+from src.engine.tools.sweep import SweepSummary, _write
 from src.tasks import Classification, Regression
-from src.tools import plots
-from src.tools.sweep import SweepSummary, _write
 
 pytestmark = pytest.mark.unit
 

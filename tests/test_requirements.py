@@ -64,3 +64,30 @@ def test_a_missing_extra_skips_with_its_install_command_and_fails_where_ci_asks(
         assert own, name
         if all(map(installed, own)):
             assert importlib.util.find_spec(module), (name, module)
+
+
+@pytest.mark.slow
+def test_pip_install_e_makes_the_engine_importable_from_any_folder(tmp_path):
+    """`pip install -e .` installs the package `src` (the engine in src/engine, the fork's files
+    beside it) and no top-level `core` or `tools`, with the dependencies that training needs."""
+    import subprocess
+    import sys
+
+    prefix = tmp_path / "prefix"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO),
+         "--prefix", str(prefix)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    site = next(prefix.rglob("site-packages"))
+    probe = (
+        f"import site, sys; sys.path.remove(''); site.addsitedir({str(site)!r}); "
+        "import src.engine.run, src.models, importlib.util as u; "
+        "print(src.engine.run.__file__, [n for n in ('core', 'tools') if u.find_spec(n)])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True,
+                         capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert out == [str(REPO / "src" / "engine" / "run.py"), "[]"]
+    text = next(site.glob("hydra_ddp_mnist*.dist-info/METADATA")).read_text()
+    for name in ("torch", "hydra-core", "omegaconf", "wandb", "tqdm", "matplotlib"):
+        assert f"Requires-Dist: {name}" in text, name

@@ -14,19 +14,19 @@ from conftest import LOSS_ATOL, WEIGHT_ATOL, a_run, ok, read_metrics, run_dirs, 
 from hydra.utils import instantiate
 from torch import nn
 
-from src.build import check_accumulation
-from src.checkpoint import Checkpointer, restore, rng_state
-from src.core.evaluate import evaluate
-from src.core.hooks import Hooks
-from src.core.loop import save
-from src.core.state import Parts, Progress
-from src.core.step import train_step
-from src.data import Data
-from src.distributed import Process
-from src.errors import UserError
-from src.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics
-from src.guards.signals import StopSignals
-from src.settings import Checkpointing, Trainer
+from src.engine.build import check_accumulation
+from src.engine.checkpoint import Checkpointer, restore, rng_state
+from src.engine.core.evaluate import evaluate
+from src.engine.core.hooks import Hooks
+from src.engine.core.loop import save
+from src.engine.core.state import Parts, Progress
+from src.engine.core.step import train_step
+from src.engine.data import Data
+from src.engine.distributed import Process
+from src.engine.errors import UserError
+from src.engine.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics
+from src.engine.guards.signals import StopSignals
+from src.engine.settings import Checkpointing, Trainer
 from src.tasks import Classification
 
 CLASSIFY = Classification()
@@ -114,7 +114,7 @@ def test_the_norm_is_measured_without_clipping_only_when_asked():
 
 
 def checked(checkpointer=None, **trainer):
-    """A run whose one hook is the non-finite check (src/guards/checks.py), and that hook."""
+    """A run whose one hook is the non-finite check (src/engine/guards/checks.py), and that hook."""
     run, hook = a_run(**trainer), NonFinite()
     run.checkpointer, run.hooks = checkpointer, Hooks([hook])
     return run, hook

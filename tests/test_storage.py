@@ -38,11 +38,11 @@ from conftest import (
 from conftest import start as start_run
 from hydra.utils import instantiate
 
-from src import storage
-from src.distributed import Process
-from src.errors import UserError
-from src.logger import MetricsLogger, metrics_until
-from src.tools import plots
+from src.engine import storage
+from src.engine.distributed import Process
+from src.engine.errors import UserError
+from src.engine.logger import MetricsLogger, metrics_until
+from src.engine.tools import plots
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 # 25 steps an epoch, 20 epochs: time to act on the run while it trains.

@@ -35,14 +35,14 @@ from conftest import (
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from src.build import build_model
-from src.core.evaluate import evaluate, float64_sum
-from src.core.state import Parts, Run
-from src.core.step import train_step
-from src.distributed import Process
-from src.errors import UserError
-from src.guards.checks import check_count
-from src.settings import read_settings
+from src.engine.build import build_model
+from src.engine.core.evaluate import evaluate, float64_sum
+from src.engine.core.state import Parts, Run
+from src.engine.core.step import train_step
+from src.engine.distributed import Process
+from src.engine.errors import UserError
+from src.engine.guards.checks import check_count
+from src.engine.settings import read_settings
 from src.tasks import Classification, Regression
 
 PAGE = REPO / "docs" / "tasks.md"
@@ -126,8 +126,8 @@ def compose_with_fork(fork: Path, *overrides: str):
 
 
 def start_of_run(cfg):
-    """What src/run.py does before training, in this process: the settings (the task built and
-    checked against the monitor), the data and the first batch's count of loss terms, and the
+    """What src/engine/run.py does before training, in this process: the settings (the task built
+    and checked against the monitor), the data and the first batch's count of loss terms, and the
     model with its preflight on two samples."""
     settings = read_settings(cfg)
     data = instantiate(cfg.data)

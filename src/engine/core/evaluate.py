@@ -1,0 +1,97 @@
+"""Evaluation: a split's metrics, exact whatever the ranks and the batch size; the test, once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from src.engine import checkpoint
+from src.engine.core.state import Best, Run
+
+log = logging.getLogger(__name__)
+
+
+class Fitted(NamedTuple):
+    """Where training ended, and its best validation (None without a validation split)."""
+
+    epoch: int
+    step: int
+    best: Best | None
+
+
+def evaluate_and_log(
+    run: Run, model: nn.Module, split: str, record: dict[str, Any], about: str
+) -> dict[str, Any]:
+    """Evaluate on `split` (val or test); print the result after `about` (where training stands,
+    which weights), and log it with `record` (its step, epoch, ...)."""
+    metrics = evaluate(run, model, split)
+    shown = ", ".join(
+        f"{split} {key.split('/', 1)[1]} {value:.4f}"
+        for key, value in metrics.items()
+        if isinstance(value, float)
+    )
+    log.info("%s: %s", about, shown)
+    if run.logger:
+        run.logger.log({**record, **metrics})
+    return metrics
+
+
+def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
+    """The test split, once, after training: on best.pt's weights (`trainer.test_weights=best`,
+    where a validation picked them), else on the weights training ended with."""
+    epoch, step, best = fitted
+    weights, weights_epoch = f"the weights after epoch {epoch} (step {step})", epoch
+    if best and best.epoch is not None and run.trainer.test_weights == "best":
+        checkpoint.load_best(model, run.run_dir, run.process)
+        weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
+        weights_epoch = best.epoch
+    record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
+    about = f"Test on {weights}"
+    metrics = evaluate_and_log(run, model, "test", record, about)
+    if run.logger:
+        chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
+        run.logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
+    return metrics
+
+
+@torch.inference_mode()
+def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
+    """The task's metrics over the whole `split` (val or test), each sample counted once across
+    ranks, with the run's precision and memory layout.
+
+    The task's sums of each batch are added up in float64 on the CPU, then over the ranks, and
+    turned into metrics once: exact, whatever the world size and the batch size.
+    """
+    task, process, trainer = run.task, run.process, run.trainer
+    # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
+    # buffers, a collective that ranks with different numbers of batches would hang in.
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
+    # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
+    process.broadcast_tensors(model.buffers())
+    model.eval()
+    sums: dict[str, float] = {}
+    # Under FSDP every forward is collective: each rank runs as many as the rank with the most.
+    for inputs, targets in run.data.eval_batches(split, even=process.mode == "fsdp"):
+        with trainer.autocast(process.device):
+            outputs = model(inputs)
+        batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+        for key, value in batch.items():
+            sums[key] = sums.get(key, 0.0) + float64_sum(value)
+    if process.in_group:  # a rank with no batch of this split knows none of the sums' names
+        names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
+        sums = dict(
+            zip(names, process.sum_over_ranks([sums.get(n, 0.0) for n in names]), strict=True)
+        )
+    return {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
+
+
+def float64_sum(value: torch.Tensor | float) -> float:
+    """A batch's sum of `value`'s elements, in float64 on the CPU (MPS has no float64)."""
+    if not torch.is_tensor(value):
+        return float(value)
+    return value.detach().cpu().double().sum().item()

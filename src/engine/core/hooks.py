@@ -1,0 +1,97 @@
+"""The named points where the guards and the tools plug into the loop, and the one all-reduce
+they share.
+
+The loop calls its hooks, in order, at these points and nowhere else:
+
+- `active(run, parts, progress)`: a context around the whole of training (signal handlers, the
+  profiler; the warm-up runs as it is entered).
+- `epoch_started` and `epoch_ended(run, progress)`: just before and just after an epoch's
+  training steps (its validation comes after).
+- `after_step(run, progress, loss)`: after each optimizer step, the loss still on the device.
+- `votes(run, progress, weights)` and `agreed(run, progress, sums, weights)`: at a check, which
+  comes at every logging step, before an evaluation and before a save (then with the `weights`).
+  Each hook gives this rank's values for the check's one all-reduce and reads back their sums
+  over the ranks; a hook that raises stops every rank at once, as they all raise alike.
+- `wants_stop(run)` and `stop(run, progress)`: a hook that asks training to stop after this step
+  (a signal); the loop saves `last.pt`, then the hook ends the run.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from src.engine.core.state import Parts, Progress, Run
+
+
+class Hook:
+    """A guard or a tool; each point does nothing unless a subclass overrides it."""
+
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
+        return nullcontext()
+
+    def epoch_started(self, run: Run, progress: Progress) -> None:
+        pass
+
+    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+        pass
+
+    def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
+        return []
+
+    def agreed(
+        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
+    ) -> None:
+        pass
+
+    def epoch_ended(self, run: Run, progress: Progress) -> None:
+        pass
+
+    def wants_stop(self, run: Run) -> bool:
+        return False
+
+    def stop(self, run: Run, progress: Progress) -> NoReturn:
+        raise NotImplementedError(f"{type(self).__name__} asked to stop, and has no stop()")
+
+
+class Hooks(list[Hook]):
+    """The run's hooks, called in order at each point."""
+
+    def active(self, run: Run, parts: Parts, progress: Progress) -> ExitStack:
+        stack = ExitStack()
+        for hook in self:
+            stack.enter_context(hook.active(run, parts, progress))
+        return stack
+
+    def epoch_started(self, run: Run, progress: Progress) -> None:
+        for hook in self:
+            hook.epoch_started(run, progress)
+
+    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+        for hook in self:
+            hook.after_step(run, progress, loss)
+
+    def epoch_ended(self, run: Run, progress: Progress) -> None:
+        for hook in self:
+            hook.epoch_ended(run, progress)
+
+    def check(
+        self, run: Run, progress: Progress, loss: float = 0.0, weights: nn.Module | None = None
+    ) -> float:
+        """One all-reduce for this rank's `loss` and every hook's votes; each hook then reads the
+        ranks' sums of its own. Returns the loss averaged over the ranks."""
+        votes = [hook.votes(run, progress, weights) for hook in self]
+        sums = run.process.sum_over_ranks([loss, *(v for own in votes for v in own)])
+        at = 1
+        for hook, own in zip(self, votes, strict=True):
+            hook.agreed(run, progress, sums[at : at + len(own)], weights)
+            at += len(own)
+        return sums[0] / run.process.world_size
+
+    def stopping(self, run: Run) -> Hook | None:
+        """The first hook that asks training to stop after this step, if any."""
+        return next((hook for hook in self if hook.wants_stop(run)), None)

@@ -1,0 +1,616 @@
+"""The data in memory, batched for this process: the same way for every dataset.
+
+`src/datasets.py` (or a class of your own) finds the files and reads each split as a Dataset of
+(input, target) pairs; this module holds the three splits and cuts them into batches. `train`
+and `val` (`data.val_size` samples held out of the training split by a draw that depends on
+`data.split_seed` alone), and `test`, evaluated once at the end.
+
+Inputs and targets may be of any shape and dtype: float features, int64 tokens, a float image as
+a target. Each keeps its own dtype through both loaders, the empty batches and `decode`; only
+where a batch reaches the model (`normalise`) are float inputs cast to the float dtype the run
+trains in (float32, float64 with trainer.precision=64). Images, the inputs that are uint8
+C×H×W, also go through the image pipeline: uint8 → float and normalisation by
+`data.mean`/`data.std` (computed where null), and `data.augment`; any other input reaches the
+model as the dataset gave it (a float C×H×W input too: it is not divided by 255).
+
+`loader=tensor` (the default): each split lives once as tensors on the training device,
+decoded once (an image folder keeps the decoded images in a cache file beside it); a batch is
+gathered by index, augmented and normalised there, so the loop runs no per-sample Python.
+`loader=torch`: the standard `DataLoader` reading one sample at a time (with workers), for data
+that does not fit in memory; its batches get the same augmentation and normalisation on the
+device, so both loaders give the very same batches.
+
+Both draw the same sample order: the permutation `DistributedSampler` draws, cut into global
+batches that are split over the ranks (`GlobalBatchSampler`), so it depends on `seed` and the
+epoch only, never on `parallel=` or the loader.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from src.engine import storage
+from src.engine.distributed import Process
+from src.engine.errors import UserError, first_line
+
+log = logging.getLogger(__name__)
+
+Split = tuple[torch.Tensor, torch.Tensor] | Dataset  # (inputs, targets) in memory, or a Dataset
+
+# The target dtypes that are class labels: checked against num_classes.
+INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+class GlobalBatchSampler:
+    """This rank's share of each global batch, in the order `DistributedSampler` draws.
+
+    Every rank draws the same permutation (DistributedSampler's, seeded by `seed + epoch`), cuts it
+    into global batches of `batch_size` and takes every `world_size`-th sample of each batch,
+    starting at its rank. When the counts divide, that is exactly DistributedSampler's strided
+    split. Unlike DistributedSampler, the last, partial batch is split as it is instead of being
+    padded with repeated samples, so an epoch is the same for every world size.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Epoch `epoch`'s order, leaving out its first `skip` batches (done before a resume)."""
+        self.epoch, self.skip = epoch, skip
+
+    def permutation(self) -> torch.Tensor:
+        """The epoch's order of all samples: the draw of DistributedSampler(shuffle=True)."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def index_batches(self, device: torch.device | None = None) -> Iterator[torch.Tensor]:
+        """This rank's shares as index tensors on `device`, cut from one permutation tensor."""
+        order = self.permutation().to(device)
+        size = self.batch_size
+        for start in range(self.skip * size, self.num_samples, size):
+            yield order[start : start + size][self.rank :: self.world_size]
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for index in self.index_batches():
+            yield index.tolist()
+
+
+def hold_out(count: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of `count` images split in two: the rest, and `size` held out, each in file order.
+
+    The draw depends on `seed` alone, so every run that sets it validates on the same images,
+    whatever its `seed`, number of processes, loader, `data.subset` or resume.
+    """
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return order[size:].sort().values, order[:size].sort().values
+
+
+class Data:
+    """A dataset's three splits, batched for this process.
+
+    `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
+    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th sample of
+    the split, so every sample is counted exactly once whatever the world size. `dataset` names
+    the class of `src/datasets.py` (or your own) that reads the files; the keys this class does
+    not take (root, download, ...) are that class's, and each of its own keys (image_size,
+    num_classes, seed, ...) reaches that class too where its constructor has one of that name.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        mean: float | Sequence[float] | None,
+        std: float | Sequence[float] | None,
+        num_classes: int | None,
+        batch_size: int,
+        test_batch_size: int,
+        subset: int | None,
+        seed: int,
+        val_size: int,
+        split_seed: int,
+        in_channels: int | None = None,
+        image_size: int | None = None,
+        class_names: Sequence[str] | None = None,
+        augment: bool = False,
+        loader: str = "tensor",
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        **options,
+    ):
+        # Data's own keys, before any other name is defined: a dataset class may need some of
+        # them (image_size to resize, num_classes and seed to draw synthetic samples).
+        own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
+        if loader not in ("tensor", "torch"):
+            raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
+        if isinstance(options.get("root"), str):  # data.root="~/mnist": the user's own folder
+            options["root"] = os.path.expanduser(options["root"])
+        try:  # hydra's get_class would log the error before this says it
+            module, _, name = dataset.rpartition(".")
+            if not module:
+                raise ImportError("not a dotted path, module.Class")
+            source = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise UserError(
+                f"data.dataset={dataset} is no class that can be imported "
+                f"({first_line(err)}): give a dataset class's dotted path "
+                "(src.datasets.IDX, or your own), or choose a data config (python train.py "
+                "--help lists them).",
+                every_rank=True,
+            ) from None
+        self.takes = set(inspect.signature(source).parameters)
+        self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
+        self.loader = loader
+        self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
+                        "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
+        self.mean, self.std = mean, std
+        self.num_classes = num_classes
+        self.class_names = list(class_names) if class_names else None
+        self.augment = augment
+        self.batch_size = batch_size
+        self.test_batch_size = test_batch_size
+        self.subset = subset
+        self.seed = seed
+        self.val_size, self.split_seed = val_size, split_seed
+
+    def setup(
+        self,
+        process: Process,
+        dtype: torch.dtype = torch.float32,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> None:
+        """Check the batch size, find or download the files, hold the splits for this process,
+        whose model takes float inputs of `dtype`, images in `memory_format` (channels-last)."""
+        if self.batch_size < 1 or self.batch_size % process.world_size:
+            raise UserError(
+                f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
+                f"processes. Use a multiple of {process.world_size}: it is the global batch, "
+                "and each rank takes an equal share.",
+                every_rank=True,
+            )
+        # One process per machine finds (or downloads) the files and decodes them into the
+        # cache while the others wait; gathering its verdict is the barrier, and every rank
+        # stops on an error.
+        error, splits = None, {}
+        if process.is_local_main:
+            try:
+                self.source.prepare()
+                splits = {name: self._read(name) for name in ("train", "test")}
+            except UserError as err:
+                error = str(err)
+        errors = [e for e in process.all_gather_object(error) if e]
+        if errors:
+            raise UserError(errors[0], every_rank=True)
+        splits = splits or {name: self._read(name) for name in ("train", "test")}
+
+        self.device = process.device
+        self.rank, self.world_size = process.rank, process.world_size
+        self._hold(splits["train"], splits["test"])
+        self._describe()
+        self.sampler = GlobalBatchSampler(
+            self.size("train"), self.batch_size, process.rank, process.world_size, self.seed
+        )
+        self.dtype, self.memory_format = dtype, memory_format
+        self.normalise = self._normalisation() if self.is_image else self._as_dtype
+        self.augmentation = Augment(
+            max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
+        ) if self.augment else None  # fmt: skip
+        if self.loader == "torch":
+            self._data_loaders()
+        if self.is_image:
+            what = f"images of {'×'.join(map(str, self.shape))}"
+        else:
+            what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets "
+            what += f"{kind(self.target_dtype, self.target_shape)})"
+        log.info(
+            "Data: %d training, %d validation (data.val_size) and %d test %s from %s",
+            self.size("train"),
+            self.size("val"),
+            self.size("test"),
+            what,
+            self.source,
+        )
+
+    def _data_loaders(self) -> None:
+        """loader=torch: a DataLoader drawing the training order, and one per evaluated split
+        giving this rank every world_size-th sample, as the tensor path does."""
+        collate_empty = functools.partial(collate, empty=self.empty_batch())
+        self.train_loader = DataLoader(
+            self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
+        )
+        shares = {
+            split: Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
+            for split in ("val", "test")
+        }
+        self.eval_loaders = {
+            split: DataLoader(
+                share, batch_size=self.test_batch_size, collate_fn=collate_empty, **self.workers
+            )
+            for split, share in shares.items()
+        }
+
+    def _read(self, name: str) -> Split:
+        """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
+        dataset = self.source.split(name)
+        if self.loader == "torch":
+            return dataset
+        if hasattr(dataset, "tensors"):
+            return dataset.tensors()
+        if hasattr(self.source, "cache_path"):
+            return cached(self.source, name, dataset)
+        return decode(dataset, name, self.source)
+
+    def _hold(self, train: Split, test: Split) -> None:
+        """The validation split carved out of `train`; tensors moved to the training device."""
+        count = len(train[1]) if isinstance(train, tuple) else len(train)
+        if isinstance(self.val_size, float):  # a share of the training split
+            self.val_size = round(self.val_size * count)
+        if self.val_size >= count:
+            raise UserError(
+                f"data.val_size={self.val_size} leaves no training images: the training split "
+                f"of {self.source} holds {count}. Hold out fewer (0 for none)."
+            )
+        # Positions in the training split; `subset` takes the first training images among them.
+        self.train_index, self.val_index = hold_out(count, self.val_size, self.split_seed)
+        self.train_index = self.train_index[: self.subset]
+        if isinstance(train, tuple):  # cut on the CPU: the device holds each image once
+            self.train, self.val = (
+                tuple(t.index_select(0, index).to(self.device) for t in train)
+                for index in (self.train_index, self.val_index)
+            )
+            self.test = tuple(t.to(self.device) for t in test)
+        else:
+            self.train, self.val = (
+                Subset(train, index.tolist()) for index in (self.train_index, self.val_index)
+            )
+            self.test = test
+
+    def _describe(self) -> None:
+        """The kind of samples the data has (images or not, each shape and dtype), its classes
+        and labels, checked against what the config says."""
+        if isinstance(self.train, tuple):
+            first, target = (t[0] for t in self.train)
+        else:
+            first, target = (torch.as_tensor(t) for t in self.train[0])
+        self.input_shape, self.input_dtype = tuple(first.shape), first.dtype
+        self.target_shape, self.target_dtype = tuple(target.shape), target.dtype
+        self.shape = self.input_shape
+        self.is_image = is_image(first)
+        self.in_channels, self.image_size = self.shape[:2] if self.is_image else (None, None)
+        self._refuse_image_keys()
+        classes = self.source.classes
+        labels = self.target_dtype in INTEGERS  # class labels, one per sample or per position
+        if self.num_classes is None and (classes or labels):
+            self.num_classes = len(classes or ())
+        elif classes and len(classes) != self.num_classes:
+            raise UserError(
+                f"data.num_classes={self.num_classes}, but {self.source} has {len(classes)} "
+                f"classes. Set it to {len(classes)}, or to null to take the number found."
+            )
+        self.class_names = self.class_names or classes
+        for split in ("train", "test") if labels else ():
+            found = labels_of(getattr(self, split))
+            if found is not None and found.numel() and found.max() >= self.num_classes:
+                raise UserError(
+                    f"The {split} split of {self.source} has label {found.max().item()}, but "
+                    f"data.num_classes={self.num_classes}. Set it to {found.max().item() + 1}."
+                )
+
+    def _refuse_image_keys(self) -> None:
+        """data.mean, data.std and data.augment are the image pipeline's: for other inputs they
+        would do nothing, unless the dataset class takes them for itself."""
+        if self.is_image:
+            return
+        inputs = f"{kind(self.input_dtype, self.input_shape)} inputs"
+        unused = [
+            f"data.{key}={value}"
+            for key, value in (("mean", self.mean), ("std", self.std))
+            if value is not None and key not in self.takes
+        ]
+        if unused:
+            normalise = "normalises" if len(unused) == 1 else "normalise"
+            raise UserError(
+                f"{' and '.join(unused)} {normalise} uint8 C×H×W images only, but {self.source} "
+                f"gives {inputs}: set data.mean and data.std to null (normalise such inputs in "
+                "the dataset class or the model)."
+            )
+        if self.augment and "augment" not in self.takes:
+            raise UserError(
+                f"data.augment=true crops and flips uint8 C×H×W images only, but {self.source} "
+                f"gives {inputs}: set data.augment=false."
+            )
+
+    def _normalisation(self) -> Normalise:
+        """data.mean and data.std, or, where they are null, computed from the training images."""
+        mean, std = self.mean, self.std
+        if mean is None or std is None:
+            mean, std = mean_and_std(self._uint8_batches(self.train))
+            log.info(
+                "data.mean=%s data.std=%s, computed from the %d training images: put them in "
+                "the config to skip this",
+                [round(m, 4) for m in mean], [round(s, 4) for s in std], self.size("train"),
+            )  # fmt: skip
+            if not all(std):
+                raise UserError(
+                    f"The training images of {self.source} are all one colour (std {std}): "
+                    "nothing to learn from. Check data.root."
+                )
+            mean = mean if self.mean is None else self.mean  # either may have been given
+            std = std if self.std is None else self.std
+        # One value for every channel, as torchvision's Normalize takes it, or one per channel.
+        mean, std = (
+            [v] * self.in_channels if isinstance(v, int | float) else list(v) for v in (mean, std)
+        )
+        if not len(mean) == len(std) == self.in_channels:
+            raise UserError(
+                f"data.mean={mean} and data.std={std} need one value per channel: the images "
+                f"have {self.in_channels}."
+            )
+        return Normalise(mean, std, self.device, self.dtype, self.memory_format)
+
+    def _uint8_batches(self, split: Split) -> Iterator[torch.Tensor]:
+        if isinstance(split, tuple):
+            yield from split[0].split(4096)
+        else:
+            loader = DataLoader(
+                split, batch_size=256, collate_fn=collate, num_workers=self.workers["num_workers"]
+            )
+            for images, _ in read(loader):
+                yield images
+
+    def _as_dtype(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The normalisation of inputs that are not images: none; float ones in the run's dtype
+        (a batch of float C×H×W ones in its memory layout), any other (int64 tokens) as read."""
+        if not inputs.is_floating_point():
+            return inputs
+        layout = self.memory_format if inputs.ndim == 4 else torch.preserve_format
+        return inputs.to(self.dtype, memory_format=layout)
+
+    def empty_batch(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw (inputs, targets) of no sample, with the data's sample shapes and dtypes."""
+        return (
+            torch.empty(0, *self.input_shape, dtype=self.input_dtype, device=device),
+            torch.empty(0, *self.target_shape, dtype=self.target_dtype, device=device),
+        )
+
+    def size(self, split: str) -> int:
+        """The number of samples of `split` (train, val or test)."""
+        held = getattr(self, split)
+        return len(held[1]) if isinstance(held, tuple) else len(held)
+
+    def sample(self, split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`count` raw samples of `split` (uint8 for images), evenly spaced through it (an image
+        folder lists its classes one after another), and their targets, on the training
+        device."""
+        held = getattr(self, split)
+        index = torch.linspace(0, self.size(split) - 1, min(count, self.size(split))).long()
+        if isinstance(held, tuple):
+            return tuple(t.index_select(0, index.to(t.device)).to(self.device) for t in held)
+        inputs, targets = collate([held[i] for i in index.tolist()], self.empty_batch())
+        return inputs.to(self.device), targets.to(self.device)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.sampler)
+
+    def train_batches(
+        self, epoch: int, skip: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's (inputs, targets) of each global batch, with the global batch's size;
+        images augmented and normalised, other inputs as the dataset gave them.
+
+        `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
+        """
+        self.sampler.set_epoch(epoch, skip)
+        num_samples = self.size("train")
+        for step, (inputs, targets) in enumerate(self._batches(), start=skip):
+            global_size = min(self.batch_size, num_samples - step * self.batch_size)
+            if self.augmentation:
+                inputs = self.augmentation(inputs, epoch, step, global_size)
+            yield self.normalise(inputs), targets, global_size
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.loader == "torch":
+            for inputs, targets in read(self.train_loader):  # pinned memory: async copies
+                yield (inputs.to(self.device, non_blocking=True),
+                       targets.to(self.device, non_blocking=True))  # fmt: skip
+        else:
+            for index in self.sampler.index_batches(self.device):  # no per-sample Python
+                # index_select: the same rows as inputs[index], several times faster on a CPU.
+                yield tuple(t.index_select(0, index) for t in self.train)
+
+    def eval_batches(
+        self, split: str, even: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's samples of `split` (val or test): every world_size-th one, in batches of
+        test_batch_size. `even`: then empty batches, up to as many batches as rank 0 has."""
+        yield from self._eval_batches(split)
+        if even:
+            mine = len(range(self.rank, self.size(split), self.world_size))
+            most = len(range(0, self.size(split), self.world_size))
+            batches = (math.ceil(n / self.test_batch_size) for n in (mine, most))
+            for _ in range(*batches):
+                inputs, targets = self.empty_batch(self.device)
+                yield self.normalise(inputs), targets
+
+    def _eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.loader == "torch":
+            for inputs, targets in read(self.eval_loaders[split]):
+                yield self.normalise(inputs.to(self.device)), targets.to(self.device)
+            return
+        inputs, targets = getattr(self, split)
+        index = torch.arange(self.rank, len(targets), self.world_size, device=targets.device)
+        for chunk in index.split(self.test_batch_size) if len(index) else ():
+            yield self.normalise(inputs.index_select(0, chunk)), targets.index_select(0, chunk)
+
+
+def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """A sample's dtype and shape, for messages: `float32 20`, `int64 16`, `uint8 3×32×32`."""
+    return f"{str(dtype).removeprefix('torch.')} {'×'.join(map(str, shape)) or 'scalar'}"
+
+
+class Normalise:
+    """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std). Only images
+    (uint8 C×H×W) are normalised: any other input, a float C×H×W one too, bypasses it, so nothing
+    already float is divided by 255 again."""
+
+    def __init__(
+        self,
+        mean: list[float],
+        std: list[float],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ):
+        self.mean, self.std, self.dtype, self.memory_format = mean, std, dtype, memory_format
+        # One number where every channel has the same: a scalar operation is faster than a
+        # broadcast one (about 5% of an MLP's epoch on a CPU).
+        self._mean, self._std = (
+            values[0]
+            if len(set(values)) == 1
+            else torch.tensor(values, device=device, dtype=dtype).view(-1, 1, 1)
+            for values in (mean, std)
+        )
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        # Converted straight into the layout the model takes (channels-last): one copy, not two.
+        images = images.to(self.dtype, memory_format=self.memory_format)
+        return images.div_(255).sub_(self._mean).div_(self._std)
+
+
+class Augment:
+    """CIFAR's standard augmentation, on a batch on the device: a random crop of each image padded
+    by `pad` black pixels on every side, and a horizontal flip of half of them on average.
+
+    The draws are made for the whole global batch from (seed, epoch, step) and each rank takes
+    its share's, so they are the same for any number of processes, and a resume repeats them.
+    """
+
+    def __init__(self, pad: int, seed: int, rank: int, world_size: int):
+        self.pad, self.seed, self.rank, self.world_size = pad, seed, rank, world_size
+
+    def __call__(
+        self, images: torch.Tensor, epoch: int, step: int, global_size: int
+    ) -> torch.Tensor:
+        # A tuple of ints hashes the same in every process (only str hashing is randomised).
+        generator = torch.Generator().manual_seed(hash((self.seed, epoch, step)) & (2**63 - 1))
+        shifts = torch.randint(0, 2 * self.pad + 1, (global_size, 2), generator=generator)
+        flips = torch.rand(global_size, generator=generator) < 0.5
+        shifts, flips = (t[self.rank :: self.world_size].to(images.device) for t in (shifts, flips))
+        count, _, height, width = images.shape
+        padded = F.pad(images, (self.pad,) * 4)
+        rows = shifts[:, :1] + torch.arange(height, device=images.device)  # count×height
+        columns = shifts[:, 1:] + torch.arange(width, device=images.device)
+        columns = torch.where(flips[:, None], columns.flip(1), columns)  # a flip reads backwards
+        batch = torch.arange(count, device=images.device)[:, None, None]
+        crops = padded[batch, :, rows[:, :, None], columns[:, None, :]]  # count×H×W×C
+        return crops.permute(0, 3, 1, 2).contiguous()
+
+
+def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split decoded into tensors, through a cache file beside the data: read when the
+    files have not changed since it was written, else decoded again and the cache rewritten."""
+    path, fingerprint = source.cache_path(name), source.fingerprint(dataset)
+    if path.is_file():
+        try:
+            cache = torch.load(path, weights_only=True)
+            if cache["fingerprint"] == fingerprint:
+                return cache["images"], cache["labels"]
+            log.info(
+                "%s: the %s images changed since it was written; decoding them again", path, name
+            )
+        except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
+            log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
+    images, labels = decode(dataset, name, source)
+    cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
+    try:
+        storage.write_atomically(path, lambda file: torch.save(cache, file))
+    except OSError as err:
+        log.warning("Could not write the cache %s (%s): the next run decodes them again", path, err)
+    return images, labels
+
+
+def decode(dataset: Dataset, split: str, source: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of `dataset` (the `split` split of `source`), one at a time, into one tensor
+    of inputs and one of targets, each of sample 0's shape and dtype."""
+    first = [torch.as_tensor(part) for part in dataset[0]]
+    noun = "images" if is_image(first[0]) else "samples"
+    log.info("Decoding the %d %s %s of %s into memory", len(dataset), split, noun, source)
+    inputs, targets = (torch.empty(len(dataset), *t.shape, dtype=t.dtype) for t in first)
+    for i in range(len(dataset)):
+        sample = [torch.as_tensor(part) for part in dataset[i]]
+        for part, got, want in zip(("input", "target"), sample, first, strict=True):
+            if (got.shape, got.dtype) != (want.shape, want.dtype):
+                needs = "one size (data.image_size)" if is_image(want) else "one shape and dtype"
+                raise UserError(
+                    f"Sample {i} of the {split} split of {source} has the {part} "
+                    f"{kind(got.dtype, got.shape)} and sample 0 {kind(want.dtype, want.shape)}: "
+                    f"the fast path needs {needs}."
+                )
+        inputs[i], targets[i] = sample
+    return inputs, targets
+
+
+def is_image(input: torch.Tensor) -> bool:
+    """One sample's input is an image, for the image pipeline: uint8 C×H×W."""
+    return input.dtype == torch.uint8 and input.dim() == 3
+
+
+def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale. Summed exactly
+    in integers, so that any batching and any device give the very same values."""
+    total = squares = count = 0
+    for images in batches:
+        pixels = images.transpose(0, 1).flatten(1).long()  # C×(N·H·W)
+        total = total + pixels.sum(1).cpu()
+        squares = squares + pixels.square().sum(1).cpu()
+        count += pixels.shape[1]
+    mean = total.double() / count
+    std = (squares.double() / count - mean.square()).clamp(min=0).sqrt()
+    return (mean / 255).tolist(), (std / 255).tolist()
+
+
+def labels_of(split: Split) -> torch.Tensor | None:
+    """A split's targets, where they are known without reading its inputs."""
+    if isinstance(split, tuple):
+        return split[1]
+    if isinstance(split, Subset):
+        labels = labels_of(split.dataset)
+        return None if labels is None else labels[torch.as_tensor(split.indices, dtype=torch.long)]
+    labels = getattr(split, "labels", getattr(split, "targets", None))
+    return None if labels is None else torch.as_tensor(labels)
+
+
+def read(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of `loader`; a file a worker could not read is named in one sentence, not
+    in the worker's traceback that DataLoader wraps around it."""
+    try:
+        yield from loader
+    except UserError as err:
+        raise UserError(str(err).rstrip().rsplit("UserError: ", 1)[-1]) from None
+
+
+def collate(
+    samples: list[tuple[object, object]], empty: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack samples into a batch, inputs and targets each keeping their dtype (as `decode`
+    does); a rank's share of a last, small batch may be empty: then a copy of `empty`."""
+    if not samples:
+        return tuple(t.clone() for t in empty)
+    inputs, targets = zip(*samples, strict=True)
+    return tuple(torch.stack([torch.as_tensor(t) for t in part]) for part in (inputs, targets))

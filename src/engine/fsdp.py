@@ -1,0 +1,217 @@
+"""parallel=fsdp: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), and its state dicts.
+
+Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state; a module's
+full weights are gathered for its forward and backward only. Checkpoints stay plain: the full
+`state_dict` and `optimizer.state_dict()` one process would save (gathered with
+`torch.distributed.checkpoint.state_dict`, written by rank 0), so they load into every mode.
+`checkpoint.sharded=true` instead writes `torch.distributed.checkpoint`'s sharded format, each
+rank its own part, for models too large to gather on one rank.
+
+FSDP itself and `torch.distributed.checkpoint` are imported inside the functions that use them:
+together they take about three quarters of a second to import (DTensor's operators), which
+every process of every other mode would otherwise pay at start.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from src.engine.errors import UserError
+
+
+def shard(
+    model: nn.Module,
+    units: list[str],
+    reshard_after_forward: bool,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> nn.Module:
+    """Shard each module whose class is named in `units` as its own unit, then the rest of the
+    model as the root unit, over all the ranks on `device`'s type. `dtype` (bf16, float16) is the
+    precision of the forward and backward; the sharded weights, the optimizer and the gradients'
+    reduction stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    found = {type(m).__name__ for m in model.modules()}
+    if units and not found & set(units):
+        raise UserError(
+            f"parallel.shard_modules={list(units)} names no module of {type(model).__name__}, "
+            f"whose classes are {', '.join(sorted(found))}: name its blocks, or [] to shard it "
+            "as one unit."
+        )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not the GPU of a CPU run
+    low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    # BatchNorm in float32, as autocast runs it: beside its float32 statistics a low-precision
+    # weight is refused.
+    batch_norm = MixedPrecisionPolicy(param_dtype=torch.float32)
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    for module in reversed(list(model.modules())[1:]):  # a unit's inner units first
+        if dtype and isinstance(module, nn.modules.batchnorm._BatchNorm):
+            fully_shard(module, mp_policy=batch_norm, **options)
+        elif type(module).__name__ in units:
+            fully_shard(module, mp_policy=low, **options)
+    return fully_shard(model, mp_policy=low, **options)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor); any other tensor as it is."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor (a collective: every rank calls it), or the tensor as it is."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def _gathered_on_rank_0() -> Any:
+    """The state dict options that gather a whole state onto rank 0's CPU only (the other ranks
+    get {}): no rank holds two copies on its device, and only rank 0 writes the file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded `state_dict`, on rank 0's CPU ({} on the other ranks; every rank
+    calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_gathered_on_rank_0())
+
+
+def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], is_main: bool) -> None:
+    """Load a full `state_dict` that rank 0 holds into the sharded `model`: each rank receives
+    its shards from rank 0 (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(state_dict) if is_main else {}, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full `optimizer.state_dict()` as one process's optimizer would give it, on rank 0
+    ({} on the others; every rank calls it).
+
+    PyTorch gathers it keyed by parameter names; a plain optimizer numbers its parameters in
+    order through its parameter groups, which is what is saved, so that it loads anywhere.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_gathered_on_rank_0())
+    if not state:
+        return state
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    return _rekeyed(state, {name: number for number, name in enumerate(names)})
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a full, plain `optimizer.state_dict()` (numbered parameters) into the optimizer of
+    the sharded `model`; every rank holds `state` and keeps its own shards of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings only
+        optimizer.load_state_dict(state)
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = _rekeyed(state, ordered)
+    # PyTorch maps each saved group key onto the optimizer's own: one it lacks (the initial_lr of
+    # the saved run's schedule, built here after this) is left out. The settings are this
+    # config's anyway (resume.apply_settings); only the moments continue.
+    state["param_groups"] = [
+        {k: v for k, v in saved.items() if k in group or k == "params"}
+        for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
+    ]
+    # Not strict: parameters that never had a gradient have no state, as in a plain optimizer.
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
+    """The optimizer state dict `state` with each parameter's key `k` replaced by `key[k]`
+    (numbers for names, or names for numbers)."""
+    return {
+        "state": {key[k]: value for k, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [key[k] for k in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Write the model's and the optimizer's shards into the existing `folder`, each rank its own
+    file, in `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage
+    refused on any rank is raised as that OSError, on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+    try:
+        dcp.save(state, checkpoint_id=folder)
+    except dcp.api.CheckpointException as err:
+        refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def saved_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's tensors that the shards in `folder` hold, by name: each whole shape, and its
+    dtype."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {
+        name.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
+        for name, meta in saved.items()
+        if name.startswith("model.") and hasattr(meta, "size")
+    }
+
+
+def load_sharded(
+    model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load the model's shards from `folder` (or, given the `optimizer`, its shards only), saved
+    by `save_sharded` with any number of ranks: each rank reads the parts of its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(model, state["model"])
+    else:
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=folder)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -1,0 +1,107 @@
+"""The checks that stop every rank at once, before anything bad is validated or saved: a loss or
+a weight that is NaN or infinite, and metrics.jsonl refused by the storage.
+
+The losses stay on the device until a check (every logging step, and before an evaluation or a
+save): then the ranks agree, in the check's one all-reduce, on whether any of them saw a bad one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from hydra.errors import CompactHydraException
+from torch import nn
+
+from src.engine import fsdp
+from src.engine.core.hooks import Hook
+from src.engine.core.state import Progress, Run
+from src.engine.core.step import global_count, nothing_counted
+from src.engine.distributed import unwrap
+
+
+class NonFiniteLoss(CompactHydraException):
+    """The training loss became NaN or infinite; nothing after it was saved."""
+
+
+class NonFinite(Hook):
+    """Stop every rank when a training loss since the last check, or a weight at a check before
+    an evaluation or a save, is NaN or infinite."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
+        self.first_bad: int | None = None
+
+    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+        self.losses.append((progress.step, loss))
+
+    def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
+        steps, losses = zip(*self.losses, strict=True) if self.losses else ((), ())
+        bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
+        self.first_bad = steps[bad[0].item()] if len(bad) else None
+        self.losses = []
+        broken = weights is not None and not finite(unwrap(weights).state_dict().values())
+        return [self.first_bad is not None, broken]
+
+    def agreed(
+        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
+    ) -> None:
+        bad_losses, bad_weights = sums
+        if bad_losses:
+            found = run.process.all_gather_object(self.first_bad)
+            first = min(s for s in found if s is not None)
+            raise non_finite(f"the training loss was not finite at step {first}", run)
+        if bad_weights:
+            raise non_finite(f"the weights were not finite after step {progress.step}", run)
+
+
+class UnwrittenMetrics(Hook):
+    """Stop every rank when the main process could not write metrics.jsonl (a full disk), with the
+    checkpoint written last intact."""
+
+    def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
+        return [bool(run.logger and run.logger.fault)]
+
+    def agreed(
+        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
+    ) -> None:
+        if sums[0]:
+            fault = run.process.broadcast_object(run.logger and run.logger.fault)
+            raise run.checkpointer.stopped(fault, progress.step)
+
+
+def finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor (parameters, and buffers such as BatchNorm's running
+    statistics) is free of NaN and infinity; one device sync for them all, not one each. Of a
+    sharded tensor, this rank's part (the ranks then agree on the whole)."""
+    checks = [fsdp.local(t).isfinite().all() for t in tensors if t.is_floating_point()]
+    return not checks or bool(torch.stack(checks).all())
+
+
+def intact(run: Run) -> str:
+    """What is saved from before a stop: the checkpoint written last, if any."""
+    kept = run.checkpointer.kept
+    return f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
+
+
+def non_finite(what: str, run: Run) -> NonFiniteLoss:
+    """The one sentence a NaN or an infinity stops the run with."""
+    clip = run.trainer.gradient_clip_val
+    tries = ["a lower optimizer.lr"]
+    tries.append("trainer.gradient_clip_val=1.0" if clip is None else "a lower gradient_clip_val")
+    if run.trainer.precision != "32":
+        tries.append("trainer.precision=32")
+    return NonFiniteLoss(
+        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(run)}). "
+        f"Try {', '.join(tries[:-1])} or {tries[-1]}."
+    )
+
+
+def check_count(run: Run) -> None:
+    """Before training: the task counts loss terms in the first global batch (a count that is
+    always 0, every target masked, would make each step's mean 0 / 0). Later batches with none
+    stop the run at the next check of the losses, as any non-finite loss does."""
+    inputs, targets, _ = next(run.data.train_batches(1))
+    count = global_count([run.task.count(inputs, targets)], run.process)  # one process: 0 refused
+    if int(count) == 0:
+        raise nothing_counted("the first training batch")

@@ -1,0 +1,82 @@
+"""Each epoch's training speed (images of all ranks per second) and memory, printed and logged."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import time
+from collections.abc import Iterator
+from itertools import chain
+
+import torch
+
+from src.engine import fsdp
+from src.engine.core.hooks import Hook
+from src.engine.core.state import Parts, Progress, Run
+from src.engine.logger import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+
+class Speed(Hook):
+    """Times each epoch's training steps, from the first to the last (not its validation)."""
+
+    @contextlib.contextmanager
+    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+        self.parts = parts
+        yield
+
+    def epoch_started(self, run: Run, progress: Progress) -> None:
+        if run.process.device.type == "cuda":  # this epoch's peak, not an earlier evaluation's
+            torch.cuda.reset_peak_memory_stats(run.process.device)
+        self.started, self.first_step = time.perf_counter(), progress.epoch_step
+
+    def epoch_ended(self, run: Run, progress: Progress) -> None:
+        data = run.data
+        # The images of the global batches trained: the epoch's last one may be smaller.
+        images = min(progress.epoch_step * data.batch_size, data.size("train"))
+        images -= self.first_step * data.batch_size
+        speed = throughput(self.started, images, run.process.device)
+        speed["memory/state_mb"] = state_mb(self.parts)
+        log_speed(speed, progress, run.logger)
+
+
+def throughput(started: float, images: int, device: torch.device) -> dict[str, float]:
+    """The epoch's training time and speed (images of all ranks per second), and peak memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    speed = {
+        "time/train_s": seconds,
+        "time/images_per_s": images / seconds,
+        "memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if device.type == "cuda":
+        speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return speed
+
+
+def state_mb(parts: Parts) -> float:
+    """MiB of this rank's weights, gradients and optimizer state: the tensors themselves, which
+    FSDP shards over the ranks (1/N on each) and every other mode holds whole."""
+    parameters = list(parts.model.parameters())
+    grads = [p.grad for p in parameters if p.grad is not None]
+    moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = (fsdp.local(t) for t in chain(parameters, grads, moments))
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger | None) -> None:
+    """The epoch's speed and memory: printed, and logged with where training stands."""
+    log.info(
+        "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB (weights, gradients and "
+        "optimizer state %.1f MB)",
+        progress.epoch,
+        speed["time/train_s"],
+        speed["time/images_per_s"],
+        speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
+        speed["memory/state_mb"],
+    )
+    if logger:
+        logger.log({**progress.record, **speed})

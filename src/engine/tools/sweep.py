@@ -1,0 +1,134 @@
+"""The summary of a sweep: `summary.csv` in its folder, with each job's overrides, its best
+validation value of `checkpoint.monitor` (what the sweep compares), the test metrics of the
+weights it tested (whichever its task logged: `test/acc`, `test/mae`, ... and `test/loss`), wall
+time and status, best first; printed as a table when the sweep ends.
+
+A Hydra callback (conf/config.yaml, hydra.callbacks). Each job leaves `job.json` in its own folder
+when it ends, so the summary also covers jobs that launchers ran in other processes (submitit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from src.engine.core.state import Best
+from src.engine.errors import UserError
+from src.engine.logger import measured
+from src.engine.settings import checkpoint_mode_of
+
+# summary.csv's columns: these, then the jobs' test metrics, then LAST.
+FIRST = ["job", "overrides", "monitor", "best", "best_epoch"]
+LAST = ["wall_s", "status", "folder"]
+
+
+class SweepSummary(Callback):
+    printer = None  # the exit hook that prints the table if the sweep stops on a failure
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.monotonic()
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode.name != "MULTIRUN":
+            return
+        folder = Path(config.hydra.runtime.output_dir)
+        records = _records(folder / "metrics.jsonl")
+        # The same choice as training's best.pt, made again from the validations it logged.
+        best = Best(config.checkpoint.monitor, _mode(config))
+        for record in records:
+            if best.monitor in record:
+                best.update(record, record["epoch"])
+        # What its test logged; a job stopped before it has the table's two, empty.
+        test = dict.fromkeys([f"test/{_metric(best.monitor)}", "test/loss"])
+        for record in records:
+            test.update({f"test/{name}": value for name, value in measured(record, "test").items()})
+        job = {
+            "job": config.hydra.job.num,
+            "overrides": " ".join(job_return.overrides or []),
+            "monitor": best.monitor,
+            "best": best.value,
+            "best_epoch": best.epoch,
+            "mode": best.mode,
+            **test,
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "status": job_return.status.name.lower(),
+            "folder": str(folder),
+        }
+        (folder / "job.json").write_text(json.dumps(job))
+        # Rewritten after every job: a sweep that stops on a failed job still has its summary,
+        # and Hydra then skips on_multirun_end, so the table is printed on the way out instead.
+        sweep_dir = Path(config.hydra.sweep.dir)
+        _write(sweep_dir)
+        if not self.printer:
+            self.printer = atexit.register(_print, sweep_dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.printer:
+            atexit.unregister(self.printer)
+        _print(Path(config.hydra.sweep.dir))
+
+
+def _print(sweep_dir: Path) -> None:
+    """The table: each job's best value of its monitor, and the test value of the same metric
+    (`test/acc` beside a best `val/acc`)."""
+    jobs = _write(sweep_dir)
+    tested = "test " + "/".join(sorted({_metric(j["monitor"]) for j in jobs}))
+    width = max(8, len(tested))
+    lines = [f"{'best':>7} {'monitor':8} {'epoch':>5} {tested:>{width}} {'wall s':>7} "
+             f"{'status':9} overrides"]  # fmt: skip
+    for j in jobs:
+        best = f"{j['best']:.4f}" if j["best"] is not None else "-"
+        value = j.get(f"test/{_metric(j['monitor'])}")
+        test = f"{value:.4f}" if value is not None else "-"
+        epoch = j["best_epoch"] if j["best_epoch"] is not None else "-"
+        lines.append(f"{best:>7} {j['monitor']:8} {epoch:>5} {test:>{width}} {j['wall_s']:>7} "
+                     f"{j['status']:9} {j['overrides']}")  # fmt: skip
+    print(f"Sweep summary ({sweep_dir / 'summary.csv'}):\n" + "\n".join(lines), flush=True)
+
+
+def _write(sweep_dir: Path) -> list[dict[str, Any]]:
+    """summary.csv from the jobs' job.json files, the best by their monitor first; the rows."""
+    jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")]
+    jobs.sort(key=_rank)
+    # Every test metric any job logged (jobs of one sweep may run different tasks), the loss last.
+    tests = sorted({key for job in jobs for key in job if key.startswith("test/")},
+                   key=lambda key: (key == "test/loss", key))  # fmt: skip
+    with (sweep_dir / "summary.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, [*FIRST, *tests, *LAST], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(jobs)
+    return jobs
+
+
+def _rank(job: dict[str, Any]) -> tuple:
+    """Jobs with a best value first, the better first (as their checkpoint.mode says); then the
+    rest (no validation split, or failed) in job order."""
+    value = job["best"]
+    if value is None:
+        return (1, 0.0, job["job"])
+    return (0, -value if job["mode"] == "max" else value, job["job"])
+
+
+def _mode(config: DictConfig) -> str:
+    """The job's checkpoint.mode, as training resolved it (a job whose mode it refused: max)."""
+    try:
+        return checkpoint_mode_of(config) or "max"
+    except UserError:
+        return "max"
+
+
+def _metric(monitor: str) -> str:
+    """The metric a monitor watches: `acc` for val/acc."""
+    return monitor.removeprefix("val/")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
