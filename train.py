@@ -21,20 +21,20 @@ import hydra
 from omegaconf import DictConfig
 
 from src.engine import launch
+from src.engine.config import read_settings
 from src.engine.run import train
-from src.engine.settings import read_settings
 from src.engine.tools import equivalence
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    if cfg.get("debug", {}).get("equivalence"):  # debug=equivalence: compare, don't train
+    if (cfg.debug or {}).get("equivalence"):  # debug=equivalence: compare, don't train
         return equivalence.check(cfg)
-    if launch.starts_workers_here(cfg):  # parallel=ddp without torchrun: start them here
-        read_settings(cfg)  # the config's values checked before any process starts
-        return launch.start_workers(train, cfg)
-    if launch.under_torchrun():  # a DDP worker: failures go to torchrun's error file
+    if launch.under_torchrun():  # a worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)
+    parallel = read_settings(cfg).parallel  # the config's values checked before any work
+    if launch.starts_workers_here(parallel.in_group):  # ddp, fsdp: the processes start here
+        return launch.start_workers(train, cfg, parallel.processes(cfg.device))
     return train(cfg)
 
 

@@ -45,6 +45,8 @@ def recipe(model: str) -> tuple[torch.nn.Module, float, float, int]:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
+    import src.engine.config  # noqa: F401 - the schema conf/config.yaml starts from
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["data=fashion_mnist", f"model={model}"])
     torch.manual_seed(cfg.seed)

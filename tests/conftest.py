@@ -327,8 +327,11 @@ def assert_identical(ours, reference, where: str = "") -> None:
 
 
 def compose_config(*overrides: str):
-    """The run's config with `overrides`, composed by Hydra's compose API as train.py does."""
+    """The run's config with `overrides`, composed by Hydra's compose API as train.py does (with
+    the schema registered, as importing train.py's modules does)."""
     from hydra import compose, initialize_config_dir
+
+    import src.engine.config  # noqa: F401 - registers the schema in Hydra's ConfigStore
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides))
@@ -393,7 +396,10 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
 
     for name in ("last.pt", "best.pt"):
         got, want = (load(d / "checkpoints" / name) for d in (run_dir, reference))
-        assert (got["step"], got["best"]) == (want["step"], want["best"]), name
+        assert (got["progress"]["step"], got["progress"]["best"]) == (
+            want["progress"]["step"],
+            want["progress"]["best"],
+        ), name
         for key, tensor in want["model"].items():
             torch.testing.assert_close(got["model"][key], tensor, rtol=0, atol=1e-6)
     lines, expected = (
@@ -562,12 +568,12 @@ def __getattr__(name: str):  # torchvision is imported only by the tests that us
 
 
 def a_run(task: Any = None, data: Any = None, process: Any = None, **trainer: Any) -> Any:
-    """The run context the core's functions take (src/engine/core/state.py), for calling them in
+    """The run context the core's functions take (src/engine/core/context.py), for calling them in
     this process: the task (classification by default), the data, this process, and
     `Trainer(**trainer)` settings. It monitors val/loss, which every task returns."""
-    from src.engine.core.state import Run
-    from src.engine.distributed import Process
-    from src.engine.settings import Checkpointing, Settings, Trainer
+    from src.engine.config import Checkpointing, Settings, Trainer
+    from src.engine.core.context import Run
+    from src.engine.parallel import Process
     from src.tasks import Classification
 
     checkpoint = Checkpointing(monitor="val/loss", mode="min")

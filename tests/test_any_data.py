@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from src.datasets import Tensors
 from src.engine.data import Data
-from src.engine.distributed import Process
 from src.engine.errors import UserError
 from src.engine.guards import drift
+from src.engine.parallel import Process
 
 pytestmark = pytest.mark.unit
 
@@ -289,7 +289,7 @@ def test_bad_data_are_refused_in_one_sentence(how, tmp_path, monkeypatch):
 def one_rank():
     """A process group of this one process (gloo), as a DDP rank has."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield Process(mode="ddp")
+    yield Process(in_group=True)
     dist.destroy_process_group()
 
 

@@ -40,28 +40,30 @@ RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 def test_checkpoint_holds_plain_values_and_unwrapped_weights(tmp_path, tiny_data):
     ok(train([f"data.root={tiny_data}", *RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
     state = last(tmp_path / "run")  # weights_only=True: tensors and plain Python values only
-    assert set(state) >= {
-        "model",
-        "optimizer",
-        "scheduler",
+    # Each part's own state under its name, and what the run was: its config, its wandb run.
+    parts = {"model", "optimizer", "scheduler", "scaler", "progress", "rng"}
+    assert set(state) == parts | {"config", "wandb_id"}
+    assert set(state["progress"]) == {
         "epoch",
         "epoch_step",
         "step",
-        "rng",
-        "config",
-        "wandb_id",
         "metrics",
         "best",
+        "batch_size",
     }
     assert list(state["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 4, 4)
+    assert (
+        state["progress"]["epoch"],
+        state["progress"]["epoch_step"],
+        state["progress"]["step"],
+    ) == (1, 4, 4)
     assert state["config"]["model"]["_target_"] == "src.models.MLP"
     (validation, _) = read_metrics(tmp_path / "run")[1]
-    assert state["metrics"]["val/acc"] == validation["val/acc"]
-    assert state["best"] == {"monitor": "val/acc", "mode": "max", "value": validation["val/acc"],
-                             "epoch": 1, "stale": 0}  # fmt: skip
+    assert state["progress"]["metrics"]["val/acc"] == validation["val/acc"]
+    best = {"monitor": "val/acc", "mode": "max", "value": validation["val/acc"], "epoch": 1}
+    assert state["progress"]["best"] == {**best, "stale": 0}
     assert len(state["rng"]) == 1 and set(state["rng"][0]) == {"python", "numpy", "torch", "cuda"}
-    assert load(tmp_path / "run" / "checkpoints" / "best.pt")["step"] == 4
+    assert load(tmp_path / "run" / "checkpoints" / "best.pt")["progress"]["step"] == 4
     assert not list((tmp_path / "run" / "checkpoints").glob(".*partial"))
 
 
@@ -74,7 +76,7 @@ def test_resume_after_an_epoch_equals_the_uninterrupted_run(tmp_path, tiny_data,
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     ok(train([*common, "trainer.epochs=3", f"hydra.run.dir={whole}"], tmp_path, nproc=nproc))
     ok(train([*common, "trainer.epochs=1", f"hydra.run.dir={parts}"], tmp_path, nproc=nproc))
-    assert last(parts)["step"] == 4
+    assert last(parts)["progress"]["step"] == 4
     result = ok(
         train([*common, "trainer.epochs=3", f"hydra.run.dir={parts}"], tmp_path, nproc=nproc)
     )
@@ -97,11 +99,11 @@ def test_early_stopping_and_its_counter_survive_a_resume(tmp_path, tiny_data):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     result = ok(train([*common, f"hydra.run.dir={whole}"], tmp_path))
     assert "early stopping: val/acc has not improved for 2 validations" in printed(result)
-    assert last(whole)["epoch"] == 7 and last(whole)["best"]["epoch"] == 5
+    assert last(whole)["progress"]["epoch"] == 7 and last(whole)["progress"]["best"]["epoch"] == 5
     assert read_test(whole)["test/weights_epoch"] == 5
-    assert load(whole / "checkpoints" / "best.pt")["step"] == 5 * 25
+    assert load(whole / "checkpoints" / "best.pt")["progress"]["step"] == 5 * 25
     ok(train([*common, "trainer.epochs=6", f"hydra.run.dir={parts}"], tmp_path))
-    assert last(parts)["best"]["stale"] == 1
+    assert last(parts)["progress"]["best"]["stale"] == 1
     ok(train([*common, f"hydra.run.dir={parts}"], tmp_path))
     assert_same_training(parts, whole)
     # Launched once more, it trains nothing and tests the same weights again.
@@ -120,11 +122,11 @@ def test_resuming_a_file_from_another_folder_brings_its_best_pt_along(tmp_path, 
     resume = f"resume={first / 'checkpoints' / 'last.pt'}"
     ok(train([*common, resume, f"hydra.run.dir={second}"], tmp_path))
     copied = load(second / "checkpoints" / "best.pt")
-    assert copied["epoch"] == 5 and read_test(second)["test/weights_epoch"] == 5
+    assert copied["progress"]["epoch"] == 5 and read_test(second)["test/weights_epoch"] == 5
     (first / "checkpoints" / "best.pt").unlink()
     result = ok(train([*common, resume, f"hydra.run.dir={third}"], tmp_path))
     assert "but no best.pt lies beside it: the best so far starts afresh" in printed(result)
-    assert last(third)["best"]["epoch"] == 7  # the first validation after the resume
+    assert last(third)["progress"]["best"]["epoch"] == 7  # the first validation after the resume
 
 
 @pytest.mark.parametrize(
@@ -155,9 +157,11 @@ def test_signal_stops_at_a_step_saves_and_the_next_launch_resumes(
     # No traceback from the workers; torchrun prints its own for the signal it got.
     assert output.count("Traceback") == (1 if nproc else 0), output
     stopped = last(parts)
-    assert 0 < stopped["step"] < 200, "stopped during training (25 steps per epoch, 8 epochs)"
+    assert 0 < stopped["progress"]["step"] < 200, (
+        "stopped during training (25 steps per epoch, 8 epochs)"
+    )
     result = ok(train([*overrides, f"hydra.run.dir={parts}"], tmp_path, nproc=nproc))
-    assert f"step {stopped['step']}" in printed(result)
+    assert f"step {stopped['progress']['step']}" in printed(result)
     assert_same_training(parts, whole)
 
 
@@ -184,7 +188,7 @@ def test_a_signal_to_a_self_launched_ddp_run_ends_with_the_stop_sentence_alone(
         os.killpg(process.pid, signum)
     assert process.wait(timeout=60) == 1
     output = (tmp_path / "first" / "log").read_text()
-    stopped = last(run_dir)["step"]
+    stopped = last(run_dir)["progress"]["step"]
     sentence = (
         f"Stopped by a signal after step {stopped}; {run_dir}/checkpoints/last.pt is saved. Run "
         f"the same command with hydra.run.dir={run_dir} to resume."
@@ -240,21 +244,21 @@ def test_kill_during_checkpoint_writes_never_damages_last_pt(tmp_path, tiny_data
     steps = []
     for attempt in range(3):
         process = start(overrides, tmp_path / f"attempt{attempt}")
-        before = last(run_dir)["step"] if checkpoint.exists() else 0
+        before = last(run_dir)["progress"]["step"] if checkpoint.exists() else 0
         wait_for(lambda b=before: checkpoint.exists() and last_step(checkpoint) > b, process)
         time.sleep(random.uniform(0, 0.3))
         process.kill()
         process.wait()
-        steps.append(last(run_dir)["step"])  # loads with weights_only=True: whole
+        steps.append(last(run_dir)["progress"]["step"])  # loads with weights_only=True: whole
     assert steps == sorted(steps) and steps[0] > 0
     result = ok(train(overrides, tmp_path))
     assert "Resuming from" in printed(result)
-    assert last(run_dir)["step"] == 8 * 25
+    assert last(run_dir)["progress"]["step"] == 8 * 25
 
 
 def last_step(path: Path) -> int:
     try:
-        return load(path)["step"]
+        return load(path)["progress"]["step"]
     except Exception:  # noqa: BLE001 - being replaced right now; the caller polls again
         return -1
 
@@ -369,7 +373,7 @@ def test_checkpoints_resume_in_every_parallel_mode(tmp_path, tiny_data, adam_who
         result = ok(train(overrides, tmp_path, nproc=nproc))
         assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
         got = last(resumed)
-        assert got["step"] == want["step"]
+        assert got["progress"]["step"] == want["progress"]["step"]
         for key, tensor in want["model"].items():
             torch.testing.assert_close(
                 got["model"][key], tensor, rtol=0, atol=1e-6, msg=f"{saved} in {loaded}: {key}"
@@ -396,7 +400,7 @@ def test_fsdp_resumes_an_optimizer_without_state_for_unused_parameters(tmp_path,
     resume = f"resume={first / 'checkpoints' / 'last.pt'}"
     overrides = [*common, "parallel=fsdp", "trainer.epochs=2", resume]
     ok(train([*overrides, f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, nproc=2, env=env))
-    assert last(tmp_path / "fsdp")["step"] == 2 * last(first)["step"]
+    assert last(tmp_path / "fsdp")["progress"]["step"] == 2 * last(first)["progress"]["step"]
 
 
 @pytest.mark.slow
@@ -431,7 +435,10 @@ def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
     result = ok(train([*sharded, "trainer.epochs=2"], tmp_path, nproc=3))
     assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
     final, want = last(parts), last(whole)
-    assert final["step"] == want["step"] and final["best"] == want["best"]
+    assert (
+        final["progress"]["step"] == want["progress"]["step"]
+        and final["progress"]["best"] == want["progress"]["best"]
+    )
     folders = sorted(p.name for p in (parts / "checkpoints").glob("shards-*"))
     assert folders == sorted({final["shards"], load(parts / "checkpoints" / "best.pt")["shards"]})
     # The final weights, read back from the shards by one more (evaluating) fsdp run.
@@ -468,7 +475,7 @@ def test_init_from_a_bare_state_dict_of_a_wrapped_model(tmp_path, tiny_data, pre
         )
     )
     tuned = last(tmp_path / "tuned")
-    assert tuned["step"] == 4  # a fresh run: its own optimizer, schedule and step count
+    assert tuned["progress"]["step"] == 4  # a fresh run: its own optimizer, schedule and step count
     for key, tensor in weights.items():
         assert torch.equal(tuned["model"][key], tensor), key
 
@@ -644,7 +651,7 @@ def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_ca
         "Nothing left to train: the checkpoint is at the end of this run (trainer.max_steps=3 "
         "reached: 8 optimizer steps done)." in printed(result)
     )
-    assert last(run_dir)["step"] == 8 and len(read_metrics(run_dir)[0]) == 8
+    assert last(run_dir)["progress"]["step"] == 8 and len(read_metrics(run_dir)[0]) == 8
     checkpoint = run_dir / "checkpoints" / "last.pt"
     for override, message in {
         "optimizer=adam": f"{checkpoint} was trained with torch.optim.SGD, and this config's "
@@ -660,7 +667,7 @@ def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_ca
         result = train([*common, "trainer.epochs=3", override], tmp_path)
         assert result.returncode == 1 and message in printed(result), printed(result)
         assert "Traceback" not in printed(result)
-    assert last(run_dir)["step"] == 8
+    assert last(run_dir)["progress"]["step"] == 8
 
 
 def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(
@@ -672,7 +679,7 @@ def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(
     run_dir = tmp_path / "run"
     common = [f"data.root={tiny_data}", *RUN, f"hydra.run.dir={run_dir}", "trainer.epochs=1"]
     ok(train([*common, "trainer.max_steps=2", "checkpoint.every_n_steps=2"], tmp_path))
-    assert (last(run_dir)["epoch"], last(run_dir)["epoch_step"]) == (1, 2)
+    assert (last(run_dir)["progress"]["epoch"], last(run_dir)["progress"]["epoch_step"]) == (1, 2)
     result = train([*common, "data.batch_size=48"], tmp_path)
     assert result.returncode == 1
     assert (
@@ -684,7 +691,11 @@ def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(
     assert "The checkpoint's 2 batches of 64 into epoch 1 are 4 batches of 32" in printed(result)
     assert "Resuming at epoch 1, after 4 of its batches, step 2" in printed(result)
     state = last(run_dir)
-    assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 7, 5)
+    assert (
+        state["progress"]["epoch"],
+        state["progress"]["epoch_step"],
+        state["progress"]["step"],
+    ) == (1, 7, 5)
 
 
 # A last.pt written by the template before its checkpoint was made of parts that save their own

@@ -12,11 +12,13 @@ from torch import nn
 
 from src.engine import checkpoint
 from src.engine.build import configure_kernels
-from src.engine.core.state import Parts
-from src.engine.distributed import Process
+from src.engine.config import Trainer
+from src.engine.core.state import Parts, Schedule
 from src.engine.errors import UserError
-from src.engine.launch.process import check_data_parallel, rank_gpu
-from src.engine.settings import Trainer
+from src.engine.parallel import Process
+from src.engine.parallel.devices import rank_gpu
+from src.engine.parallel.dp import check_data_parallel
+from src.engine.parallel.none import Single
 from src.engine.tools.warmup import warm_up
 
 
@@ -31,7 +33,7 @@ def test_checkpoints_are_read_into_cpu_memory_whatever_the_device(tmp_path):
     optimizer.step()
     path = tmp_path / "weights.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-    state = checkpoint.load(path, Process(device=torch.device("meta")), weights_only=True)
+    state = checkpoint.load(path, Process(device=torch.device("meta")), Single(), weights_only=True)
     tensors = [*state["model"].values(), *state["optimizer"]["state"][0].values()]
     assert {t.device.type for t in tensors} == {"cpu"}
     fresh = torch.optim.Adam(model.parameters())
@@ -130,7 +132,7 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     model = Sizes()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    parts = Parts(model, optimizer, Schedule(scheduler), torch.amp.GradScaler("cpu", enabled=False))
     warm_up(a_run(data=data, warmup_steps=1), parts, 0)
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
 

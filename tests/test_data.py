@@ -19,8 +19,8 @@ from torch.utils.data import DistributedSampler
 
 from src.datasets import find_idx_folder, read_idx
 from src.engine.data import Data, GlobalBatchSampler
-from src.engine.distributed import Process
 from src.engine.errors import UserError
+from src.engine.parallel import Process
 
 
 def mnist(root, **overrides) -> Data:
@@ -119,7 +119,7 @@ def test_files_that_do_not_match_are_refused(tmp_path):
 @pytest.mark.unit
 def test_batch_size_must_divide_over_the_ranks(tmp_path):
     with pytest.raises(UserError, match=r"data.batch_size=64 does not divide over 3 processes"):
-        mnist(tmp_path).setup(Process(mode="ddp", world_size=3))
+        mnist(tmp_path).setup(Process(world_size=3, in_group=True))
 
 
 @pytest.mark.unit

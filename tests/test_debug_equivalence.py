@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import TESTS, compose_config, offline_env, ok, printed, train
 
+from src.engine.config import read_settings
 from src.engine.errors import UserError
-from src.engine.settings import read_settings
 from src.engine.tools import equivalence
 from src.engine.tools.equivalence import Difference, Trace
 
@@ -190,7 +190,7 @@ def test_the_layouts_follow_the_config():
     }
     for overrides, micro in cases.items():
         cfg = compose_config("debug=equivalence", *overrides.split())
-        assert equivalence.micro_batches(cfg, read_settings(cfg).trainer) == micro, overrides
+        assert equivalence.micro_batches(cfg, read_settings(cfg)) == micro, overrides
     assert equivalence.layout_names(4) == [
         "1 process (reference)", "1 process × 4 micro-batches", "2 DDP processes",
         "2 DDP processes × 4 micro-batches",

@@ -26,6 +26,7 @@ from conftest import (
     EVAL_LOSS_ATOL,
     LOSS_ATOL,
     REPO,
+    TESTS,
     VAL_SIZE,
     WEIGHT_ATOL,
     a_run,
@@ -41,7 +42,7 @@ from hydra.utils import instantiate
 
 from src.engine.core.evaluate import evaluate
 from src.engine.data import Data
-from src.engine.distributed import Process
+from src.engine.parallel import Process
 
 RECIPE = [
     "logger=none",
@@ -72,6 +73,8 @@ MODES = {
     "fsdp-self-launched": (["parallel=fsdp"], None),  # 2 processes on a machine without GPUs
     "fsdp2-root-only": (["parallel=fsdp", "parallel.shard_modules=[]"], 2),
     "fsdp2-kept-gathered": (["parallel=fsdp", "parallel.reshard_after_forward=false"], 2),
+    # A mode of a fork's, outside src/: DDP with a communication hook of its own.
+    "hooked-ddp2": ([f"hydra.searchpath=[file://{TESTS}/conf]", "parallel=hooked_ddp"], 2),
 }
 # The main tier runs each mode, launcher and kind of split once: one process in micro-batches,
 # dp's fallback, DDP on 1, 2 and 3 ranks (3 split unevenly), in micro-batches, FSDP on 2 ranks and
@@ -95,7 +98,7 @@ class Runs(dict):
         overrides, nproc = MODES[name]
         tmp = self.tmp_path_factory.mktemp(name)
         temporary = self.tmp_path_factory.mktemp(f"{name}-temporary")  # its TMPDIR
-        env = offline_env(TMPDIR=str(temporary))
+        env = offline_env(TMPDIR=str(temporary), PYTHONPATH=TESTS)  # a fork's mode is in tests/
         result = ok(
             train([f"data.root={self.data}", *RECIPE, *overrides], tmp, nproc=nproc, env=env)
         )
@@ -147,6 +150,14 @@ def test_every_mode_trains_the_same_run(runs, mode):
         assert all(torch.equal(weights[name], reference[name]) for name in reference)
 
 
+def test_a_mode_of_a_forks_own_trains_through_its_strategy(runs):
+    """tests/hooked_ddp.py and its YAML file, nothing of src/ touched: its hook reduced the
+    gradients (and test_every_mode_trains_the_same_run holds its run to one process's)."""
+    runs["hooked-ddp2"]
+    result = runs.launched["hooked-ddp2"][0]
+    assert "the gradients are averaged by its own communication hook" in result.stdout
+
+
 def test_ddp_prints_from_rank_0_and_writes_only_its_run_folder(runs):
     """torchrun with 2 ranks: rank 0's output only (rank 1 had nothing to warn about), and
     nothing written beside the one run folder, nor left in the temporary directory (torchrun's
@@ -164,7 +175,7 @@ def test_the_runs_really_trained(runs):
     and the test counted every image of their split."""
     steps, evals, checkpoint = runs["none"]
     assert steps[-1]["train/loss"] < 0.5 * steps[0]["train/loss"]
-    assert checkpoint["step"] == 27 and checkpoint["epoch"] == 3
+    assert checkpoint["progress"]["step"] == 27 and checkpoint["progress"]["epoch"] == 3
     assert [m["epoch"] for m in evals] == [1, 2, 3, 3]
     assert evals[-1]["test/correct"] > 50 and evals[-2]["val/correct"] > 25
 

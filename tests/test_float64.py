@@ -121,7 +121,10 @@ def test_a_whole_float64_epoch_is_the_same_run_in_every_mode(runs, mode):
     and the final float64 weights, against one process's."""
     ref_steps, ref_evals, ref_checkpoint = runs[MODES[mode][2]]
     steps, evals, checkpoint = runs[mode]
-    assert len(ref_steps) == (25 if "batchnorm" in mode else 126) and checkpoint["epoch"] == 1
+    assert (
+        len(ref_steps) == (25 if "batchnorm" in mode else 126)
+        and checkpoint["progress"]["epoch"] == 1
+    )
     assert [m["step"] for m in steps] == [m["step"] for m in ref_steps]
     assert [m["lr"] for m in steps] == [m["lr"] for m in ref_steps]
     worst = max(
@@ -164,7 +167,7 @@ def test_checkpoints_move_between_float64_and_float32(tmp_path, tiny_data):
                            f"trainer.epochs={epochs}"], tmp_path))  # fmt: skip
         saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
         dtype = {"64": torch.float64, "32": torch.float32}[precision]
-        assert saved["epoch"] == epochs
+        assert saved["progress"]["epoch"] == epochs
         assert {t.dtype for t in saved["model"].values()} == {dtype}
         moments = [s["exp_avg_sq"] for s in saved["optimizer"]["state"].values()]
         assert moments and {t.dtype for t in moments} == {dtype}

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from conftest import compose_config, make_dataset
 from hydra.utils import instantiate
 
-from src.engine import fsdp
-from src.engine.distributed import Process
 from src.engine.errors import UserError
+from src.engine.parallel import Process, fsdp
 from src.models import MLP
 
 pytestmark = pytest.mark.unit

@@ -22,9 +22,11 @@ from conftest import (
 from torch import nn
 
 from src.datasets import find_idx_folder
-from src.engine import checkpoint, distributed
-from src.engine.checkpoint import restore
-from src.engine.distributed import Process
+from src.engine import checkpoint
+from src.engine.checkpoint import OptimizerState, RandomState, load_parts
+from src.engine.parallel import Process
+from src.engine.parallel.dp import DP
+from src.engine.parallel.none import Single
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +54,7 @@ def test_float16_trains_with_its_scaler_and_resumes_a_float32_run(tmp_path, tiny
     resumed = [*common, "trainer.max_steps=8", f"resume={last}", "trainer.precision=16"]
     ok(train([*resumed, "trainer.log_every_n_steps=1"], tmp_path / "16"))
     state = torch.load(single_run(tmp_path / "16") / "checkpoints" / "last.pt")
-    assert state["step"] == 8 and state["scaler"]["scale"] > 0
+    assert state["progress"]["step"] == 8 and state["scaler"]["scale"] > 0
     assert all(math.isfinite(m["train/loss"]) for m in read_metrics(single_run(tmp_path / "16"))[0])
 
 
@@ -82,11 +84,11 @@ def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
     optimizer.step()
     path = tmp_path / "adam.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-    state = checkpoint.load(path, Process(device=torch.device("cuda")), weights_only=True)
+    state = checkpoint.load(path, Process(device=torch.device("cuda")), Single(), weights_only=True)
     fresh = torch.optim.Adam(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda _: 1.0)
-    state |= {"scheduler": scheduler.state_dict(), "rng": [checkpoint.rng_state()]}
-    restore(state, model, fresh, torch.amp.GradScaler("cuda"), Process())
+    state |= {"rng": [checkpoint.rng_state()]}
+    parts = {"optimizer": OptimizerState(fresh, model, Single()), "rng": RandomState(Process())}
+    load_parts(parts, state)
     assert fresh.state[model.weight]["step"].device.type == "cpu"
     assert fresh.state[model.weight]["exp_avg"].device.type == "cuda"
 
@@ -169,7 +171,9 @@ def test_dataparallel_over_two_gpus_refuses_compile(tmp_path, tiny_data):
 @two_gpus
 def test_dataparallel_replicas_draw_their_own_dropout_masks():
     torch.manual_seed(1)
-    distributed.seed_dp_replicas(Process(mode="dp", device_ids=(0, 1)), 1)
+    replicas = DP()
+    replicas.ids = [0, 1]
+    replicas.seed(1)
     masks = [torch.rand(8, device=f"cuda:{i}").cpu() for i in (0, 1)]
     assert not torch.equal(*masks)
 

@@ -339,13 +339,13 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
 BY_VALUE_JOB = """
 import pickle, sys
 import hydra
-from src.engine import launch
+from src.engine import config, launch  # config: the schema conf/config.yaml starts from
 
 @hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
 def job(cfg):
     train = pickle.loads(open({payload!r}, "rb").read())
     assert "src.engine.run" not in sys.modules, "the function was pickled by reference"
-    print("rank 0 returned", launch.start_workers(train, cfg))
+    print("rank 0 returned", launch.start_workers(train, cfg, cfg.parallel.nproc_per_node))
 
 if __name__ == "__main__":  # the DDP workers import this file too
     job()

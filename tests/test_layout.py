@@ -1,5 +1,7 @@
-"""The layout of docs/layout.md holds: which package imports which, the core's short argument
-lists, and the config ending at the top of the run. Read from the source with `ast`."""
+"""The layout of docs/layout.md holds: the engine's layers (each module imports only from the
+layers below its own), no two modules importing each other (annotations included), the core's
+short argument lists, and the config ending at the top of the run. Read from the source with
+`ast`."""
 
 import ast
 from pathlib import Path
@@ -7,81 +9,63 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-SRC = REPO / "src" / "engine"
-LAYERS = ("core", "guards", "launch", "tools")
-# What each layer may not import (docs/layout.md's table); the leaves are src/*.py.
-E = "src.engine"
-FORBIDDEN = {
-    "leaf": {
-        f"{E}.core",
-        f"{E}.guards",
-        f"{E}.launch",
-        f"{E}.tools",
-        f"{E}.run",
-        f"{E}.build",
-    },
-    "core": {
-        f"{E}.guards",
-        f"{E}.launch",
-        f"{E}.tools",
-        f"{E}.run",
-        f"{E}.build",
-        "hydra",
-        "omegaconf",
-    },
-    "guards": {f"{E}.launch", f"{E}.tools", f"{E}.run", f"{E}.build"},
-    "tools": {f"{E}.guards", f"{E}.launch", f"{E}.run"},
-    "launch": {
-        f"{E}.core",
-        f"{E}.guards",
-        f"{E}.tools",
-        f"{E}.run",
-        f"{E}.build",
-    },
-}
-# The exceptions the table names: the leaves may import the core's contracts (the task, the
-# training state), which import nothing of the template; debug=equivalence is an entry point
-# (train.py runs it with the config) that builds runs as src/engine/run.py does, processes included.
-ALLOWED = {
-    "leaf": {f"{E}.core.state", f"{E}.core.task"},
-    "tools/equivalence.py": {
-        f"{E}.build",
-        f"{E}.launch",
-        f"{E}.launch.process",
-        f"{E}.guards",
-    },
-}
+SRC = REPO / "src"
+ENGINE = SRC / "engine"
+# docs/layout.md's table, from the bottom up: a module imports only from a lower layer, or from
+# its own package. The fork's files (src/*.py) sit above the core and below the guards.
+LAYERS = [
+    ["errors"],
+    ["launch"],
+    ["parallel"],
+    ["storage"],
+    ["config"],
+    ["data", "logger", "checkpoint"],
+    ["core"],
+    ["fork"],
+    ["guards"],
+    ["build"],
+    ["tools"],
+    ["run"],
+]
+LAYER = {part: number for number, parts in enumerate(LAYERS) for part in parts}
 # Where the composed config is read: the top of the run (run.py, and build.py for the classes its
-# groups name), settings.py (which turns it into typed settings), the launcher (which hands it to
-# the processes it starts), debug=equivalence (an entry point, as train.py is), and the two Hydra
-# callbacks, which Hydra hands it. Below them only typed settings travel.
+# groups name), config.py (which turns it into typed settings), errors.py (a node built into a
+# dataclass, its mistakes told), the launcher (which hands it to the processes it starts),
+# debug=equivalence (an entry point, as train.py is), and the two Hydra callbacks, which Hydra
+# hands it. Below them only typed settings travel.
 READS_THE_CONFIG = {
-    "run.py",
-    "build.py",
-    "settings.py",
-    "launch/__init__.py",
-    "tools/equivalence.py",
-    "tools/sweep.py",
-    "storage.py",
+    "engine/run.py",
+    "engine/build.py",
+    "engine/config.py",
+    "engine/errors.py",
+    "engine/launch/__init__.py",
+    "engine/tools/equivalence.py",
+    "engine/tools/sweep.py",
+    "engine/storage.py",
 }
 MAX_PARAMETERS = 5  # the core's functions: a run context and a training state, not long lists
 
 
-def layer(path: Path) -> str:
-    parts = path.relative_to(SRC).parts
-    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else "leaf"
+def part(module: str) -> str:
+    """The layer's name of a dotted module of the package (src.engine.core.loop: core)."""
+    names = module.split(".")
+    if len(names) == 1:  # src/__init__.py
+        return "engine"
+    if names[1] != "engine":
+        return "fork"
+    return names[2] if len(names) > 2 else "engine"
 
 
-def imported(tree: ast.Module) -> set[str]:
-    """The modules a file imports at its top level or in functions (not those imported only
-    for annotations, under `if TYPE_CHECKING`)."""
-    names: set[str] = set()
+def imported(tree: ast.Module, annotations: bool = True) -> set[str]:
+    """The modules a file imports, at its top level or in functions, and those it imports for
+    its annotations only (under `if TYPE_CHECKING`) where `annotations`."""
     checking = [
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
     ]
-    hidden = {id(n) for block in checking for n in ast.walk(block)}
+    hidden = set() if annotations else {id(n) for block in checking for n in ast.walk(block)}
+    names: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in hidden:
             continue
@@ -93,31 +77,69 @@ def imported(tree: ast.Module) -> set[str]:
     return names
 
 
-def modules() -> list[Path]:
-    return sorted(p for p in SRC.rglob("*.py") if p.name != "__init__.py" or p.parent != SRC)
+def modules() -> dict[str, Path]:
+    """Every module of the package `src`, by its dotted name."""
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        names = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(names[:-1] if names[-1] == "__init__" else names)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def engine_imports(path: Path) -> set[str]:
+    """The modules of the package `src` that `path` imports (a name imported from a module is
+    the module)."""
+    found = set()
+    for name in imported(ast.parse(path.read_text())):
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
-def test_each_module_imports_only_what_its_layer_may(path):
-    name = str(path.relative_to(SRC))
-    if name in ("run.py", "build.py"):  # the composition root imports everything
+@pytest.mark.parametrize("module", sorted(MODULES), ids=str)
+def test_each_module_imports_only_from_the_layers_below_its_own(module):
+    own = part(module)
+    if own in ("engine",):  # src/engine/__init__.py, src/__init__.py: nothing
         return
-    kind = layer(path)
-    allowed = ALLOWED.get(kind, set()) | ALLOWED.get(name, set())
     wrong = sorted(
-        module
-        for module in imported(ast.parse(path.read_text()))
-        if module not in allowed
-        and any(module == f or module.startswith(f + ".") for f in FORBIDDEN[kind])
-        and not any(module == a or module.startswith(a + ".") for a in allowed)
+        name
+        for name in engine_imports(MODULES[module])
+        if part(name) != own and part(name) != "engine" and LAYER[part(name)] >= LAYER[own]
     )
-    assert not wrong, f"src/{name} ({kind}) imports {wrong}: see docs/layout.md"
+    assert not wrong, f"{module} (layer {own}) imports {wrong}: see docs/layout.md"
+
+
+@pytest.mark.unit
+def test_no_modules_import_each_other():
+    """No circle, however long, and annotations' imports count: a reader can take the modules in
+    one order, each knowing only those before it."""
+    graph = {name: engine_imports(path) - {name} for name, path in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError(
+                f"a circle of imports: {' -> '.join([*path[path.index(name) :], name])}"
+            )
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
 
 
 @pytest.mark.unit
 def test_the_core_takes_short_argument_lists_and_no_config():
-    for path in sorted((SRC / "core").glob("*.py")):
+    for path in sorted((ENGINE / "core").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -134,7 +156,7 @@ def test_the_core_takes_short_argument_lists_and_no_config():
 def test_the_config_ends_at_the_top_of_the_run():
     readers = {
         str(path.relative_to(SRC))
-        for path in modules()
+        for path in MODULES.values()
         if "DictConfig" in path.read_text() or "omegaconf" in imported(ast.parse(path.read_text()))
     }
     assert readers <= READS_THE_CONFIG, f"{sorted(readers - READS_THE_CONFIG)} read the config"

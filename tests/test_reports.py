@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
-from src.engine.distributed import Process
+from src.engine.parallel import Process
 from src.engine.tools import plots
 from src.engine.tools.sweep import SweepSummary, _write
 from src.tasks import Classification, Regression

@@ -15,18 +15,19 @@ from hydra.utils import instantiate
 from torch import nn
 
 from src.engine.build import check_accumulation
-from src.engine.checkpoint import Checkpointer, restore, rng_state
+from src.engine.checkpoint import Checkpointer, OptimizerState, RandomState, load_parts, rng_state
+from src.engine.config import Checkpointing, Trainer
+from src.engine.core.context import Hooks
 from src.engine.core.evaluate import evaluate
-from src.engine.core.hooks import Hooks
 from src.engine.core.loop import save
-from src.engine.core.state import Parts, Progress
+from src.engine.core.state import Parts, Progress, Schedule
 from src.engine.core.step import train_step
 from src.engine.data import Data
-from src.engine.distributed import Process
 from src.engine.errors import UserError
 from src.engine.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics
 from src.engine.guards.signals import StopSignals
-from src.engine.settings import Checkpointing, Trainer
+from src.engine.parallel import Process
+from src.engine.parallel.none import Single
 from src.tasks import Classification
 
 CLASSIFY = Classification()
@@ -38,7 +39,7 @@ def parts(precision: str = "32", init_scale: float = 2.0**16) -> Parts:
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is minus the gradient
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=precision == "16")
-    return Parts(model, optimizer, scheduler, scaler)
+    return Parts(model, optimizer, Schedule(scheduler), scaler)
 
 
 def batch(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +138,7 @@ def test_float16_steps_the_scaler_skips_are_not_errors():
 
 @pytest.mark.unit
 def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
-    checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), parts(), {}, None)
+    checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), Single(), {}, {})
     run, looking = checked(checkpointer)
     looking.losses = [
         (5, torch.tensor(2.0)),
@@ -153,7 +154,7 @@ def test_a_non_finite_loss_stops_with_the_step_and_what_to_try(tmp_path):
 @pytest.mark.unit
 def test_non_finite_weights_are_never_saved(tmp_path):
     trained = parts()
-    checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), trained, {}, None)
+    checkpointer = Checkpointer(Checkpointing(), tmp_path, Process(), Single(), {}, {})
     with torch.no_grad():
         trained.model[1].weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteLoss, match="weights were not finite after step 3"):
@@ -203,7 +204,7 @@ def test_a_nan_under_ddp_stops_every_rank_and_keeps_last_pt_finite(tmp_path, tin
     (run_dir,) = run_dirs(tmp_path)
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert all(tensor.isfinite().all() for tensor in state["model"].values())
-    assert f"last.pt holds step {state['step']}, before it" in output
+    assert f"last.pt holds step {state['progress']['step']}, before it" in output
     assert not list(run_dir.glob("checkpoints/.*.partial"))
 
 
@@ -283,10 +284,19 @@ def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
     saved, resumed = parts(), parts("16")
     state = {
         "optimizer": saved.optimizer.state_dict(),
-        "scheduler": saved.scheduler.state_dict(),
+        "scheduler": saved.schedule.state_dict(),
         "scaler": saved.scaler.state_dict(),
         "rng": [rng_state()],
     }
     assert state["scaler"] == {}
-    assert restore(state, resumed.model, resumed.optimizer, resumed.scaler, Process())
-    assert resumed.scaler.get_scale() == 2.0**16
+    streams = RandomState(Process())
+    load_parts(
+        {
+            "optimizer": OptimizerState(resumed.optimizer, resumed.model, Single()),
+            "scheduler": resumed.schedule,
+            "scaler": resumed.scaler,
+            "rng": streams,
+        },
+        state,
+    )
+    assert streams.continued and resumed.scaler.get_scale() == 2.0**16

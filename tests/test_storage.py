@@ -39,9 +39,9 @@ from conftest import start as start_run
 from hydra.utils import instantiate
 
 from src.engine import storage
-from src.engine.distributed import Process
 from src.engine.errors import UserError
 from src.engine.logger import MetricsLogger, metrics_until
+from src.engine.parallel import Process
 from src.engine.tools import plots
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
@@ -295,7 +295,10 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
         f"hydra.run.dir={run_dir} to resume."
     )
     assert not partial_files(run_dir)
-    assert (last(run_dir)["step"], load(run_dir / "checkpoints" / "best.pt")["step"]) == (2, 4)
+    assert (
+        last(run_dir)["progress"]["step"],
+        load(run_dir / "checkpoints" / "best.pt")["progress"]["step"],
+    ) == (2, 4)
     assert mount("-o", "remount,size=64m", str(small_disk)).returncode == 0
     result = ok(train([*common, f"hydra.run.dir={run_dir}"], tmp_path))
     assert "Resuming at epoch 1, after 2 of its batches, step 2" in printed(result)

@@ -36,13 +36,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from src.engine.build import build_model
+from src.engine.config import read_settings
+from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
-from src.engine.core.state import Parts, Run
+from src.engine.core.state import Parts
 from src.engine.core.step import train_step
-from src.engine.distributed import Process
 from src.engine.errors import UserError
 from src.engine.guards.checks import check_count
-from src.engine.settings import read_settings
+from src.engine.parallel import Process
 from src.tasks import Classification, Regression
 
 PAGE = REPO / "docs" / "tasks.md"
@@ -510,7 +511,7 @@ def test_the_worked_fork_trains_the_same_in_every_mode(tmp_path):
         torch.testing.assert_close(weights[key], tensor, rtol=0, atol=WEIGHT_ATOL)
 
     fsdp_evaluations = read_metrics(folder["fsdp"])[1]
-    best_epoch = load(best)["epoch"]
+    best_epoch = load(best)["progress"]["epoch"]
     (validated,) = [m for m in fsdp_evaluations if "val/loss" in m and m["epoch"] == best_epoch]
     alone = read_metrics(folder["eval"])[1]
     assert [("val/loss" in m, "test/loss" in m) for m in alone] == [(True, False), (False, True)]

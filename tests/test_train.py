@@ -90,8 +90,8 @@ def test_best_pt_follows_the_monitor_and_test_weights_picks_what_is_tested(tmp_p
     assert losses == sorted(losses, reverse=True) and len(set(losses)) == 4
     for mode, epoch in (("min", 4), ("max", 1)):
         saved = torch.load(runs[mode] / "checkpoints" / "best.pt", weights_only=True)
-        assert saved["epoch"] == saved["best"]["epoch"] == epoch, mode
-        assert saved["best"]["value"] == losses[epoch - 1]
+        assert saved["progress"]["epoch"] == saved["progress"]["best"]["epoch"] == epoch, mode
+        assert saved["progress"]["best"]["value"] == losses[epoch - 1]
         assert read_test(runs[mode])["test/weights_epoch"] == epoch
     assert read_test(runs["max-last"])["test/weights_epoch"] == 4
     assert read_test(runs["max-last"])["test/loss"] == read_test(runs["min"])["test/loss"]
@@ -109,7 +109,10 @@ def test_without_a_validation_split_nothing_is_selected_and_the_test_comes_once(
     assert steps[-1]["step"] == 8  # 250 training images in batches of 64: 4 steps an epoch
     assert evals == [read_test(run_dir)] and evals[0]["test/weights_epoch"] == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
-    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["best"] is None
+    assert (
+        torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["progress"]["best"]
+        is None
+    )
 
 
 def test_dp_without_gpus_warns_once_and_trains_like_none(tmp_path, tiny_data):

@@ -4,6 +4,7 @@ each takes the MLP's keys (conf/model/mlp.yaml)."""
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from hydra.experimental.callback import Callback
@@ -128,3 +129,38 @@ class SlowToBuild(MLP):
         super().__init__(in_channels, image_size, hidden, num_classes)
         open("building", "w").close()
         time.sleep(60)
+
+
+class CountsItsSteps(Classification):
+    """A fork's task with state of its own (the training batches it was asked to count), which the
+    checkpoint holds as a part and a resumed run continues."""
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        super().__init__(label_smoothing)
+        self.counted = 0
+
+    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        self.counted += 1
+        return super().count(inputs, targets)
+
+    def state_dict(self) -> dict:
+        return {"counted": self.counted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counted = state["counted"]
+
+
+class KeepsAPath(CountsItsSteps):
+    """A task whose state a checkpoint cannot hold: a Path, an object torch.load(weights_only)
+    refuses to unpickle."""
+
+    def state_dict(self) -> dict:
+        return {"log": Path("counted.txt")}
+
+
+class ForgetsAKey(CountsItsSteps):
+    """A task whose state does not load back into it: load_state_dict asks for a key that
+    state_dict does not give."""
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counted = state["count"]

@@ -10,18 +10,21 @@ from __future__ import annotations
 import os
 import random
 import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.engine import checkpoint, distributed, resume
-from src.engine.core.state import Parts, Run
+from src.engine import checkpoint
+from src.engine.config import Trainer
+from src.engine.core.context import Run
+from src.engine.core.state import Best, Parts, Progress, Schedule
+from src.engine.core.task import preflight
 from src.engine.errors import UserError, first_line, instantiated
 from src.engine.guards import drift
-from src.engine.settings import Trainer
-from src.tasks import preflight
 
 # What a model may take from the data: a sample's shape (any data; an image's channels and size)
 # and what it is to output (the number of classes; a target's shape).
@@ -42,50 +45,54 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     preflight(model, data, task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:
-        checkpoint.load_model(model, *weights)
-    drift.check_start(model, process)  # under DDP: every rank's weights are rank 0's
-    parallel = run.settings.parallel
-    if parallel.sync_batchnorm:  # BatchNorm's statistics over all ranks' shares
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        checkpoint.Weights(model, run.strategy, weights[0]).load_state_dict(weights[1]["model"])
+    drift.check_start(model, process)  # in a process group: every rank's weights are rank 0's
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if process.mode == "fsdp":  # compiled with FSDP's hooks, which gather each unit's weights
-        model = distributed.wrap(model, parallel, process, trainer)
-        if shards:  # each rank reads its own parts
-            checkpoint.load_shards(model, weights[0], shards)
-        return compiled(model, trainer)
-    return distributed.wrap(compiled(model, trainer), parallel, process, trainer)
+    model = run.strategy.wrap(model, trainer)
+    if shards:  # checkpoint.sharded=true's folder: each rank reads its own parts
+        checkpoint.load_shards(model, weights[0], shards, run.strategy)
+    return model
 
 
-def build_parts(cfg: DictConfig, run: Run, model: nn.Module, state: dict | None) -> Parts:
-    """The model with its optimizer, schedule and float16's loss scaler: fresh, or continued from
-    the checkpoint `state` training resumes (a mid-epoch one put in this config's batches)."""
-    trainer, process, steps_per_epoch = run.trainer, run.process, run.data.steps_per_epoch
-    if state:
-        resume.rebatch(state, cfg.data.batch_size, run.data.size("train"))
+def build_parts(
+    cfg: DictConfig, run: Run, model: nn.Module, state: dict | None
+) -> tuple[Parts, Progress, dict[str, Any]]:
+    """The model's optimizer, schedule and float16's loss scaler, and the progress: fresh, or
+    continued from the checkpoint `state` training resumes. Also the checkpoint's parts, each
+    of which saves and loads its own state (the model's weights loaded as it was built)."""
+    trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
-    chosen = resume.settings_of(optimizer)  # this config's lr, momentum, ...
-    scaler_type = torch.amp.GradScaler
-    if process.mode == "fsdp":  # imported here: 0.5 s to import, which no other mode pays
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler_type = ShardedGradScaler
-    # float16 gradients underflow without loss scaling; for other precisions it is off. FSDP's
-    # ranks each see a part of the gradients: its scaler agrees with the others on overflows.
-    scaler = scaler_type(process.device.type, enabled=trainer.precision == "16")
-    continued = bool(state) and checkpoint.restore(state, model, optimizer, scaler, process)
-    if state:  # the optimizer's moments continue, its settings and its schedule are this config's
-        resume.apply_settings(optimizer, chosen)
-    total_steps = steps_per_epoch * trainer.epochs
+    # float16 gradients underflow without loss scaling; for other precisions it is off.
+    scaler = strategy.scaler(process.device, enabled=trainer.precision == "16")
+    total_steps = data.steps_per_epoch * trainer.epochs
     total_steps = min(total_steps, trainer.max_steps or total_steps)
-    check_schedule(cfg, total_steps, steps_per_epoch)  # its whole plan, before training
+    check_schedule(cfg, total_steps, data.steps_per_epoch)  # its whole plan, before training
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    if state:
-        resume.replan(scheduler, state["scheduler"]["last_epoch"])
-    if not continued:
+    schedule = Schedule(scheduler, every_step=cfg.scheduler.interval == "step")
+    policy = run.settings.checkpoint
+    best = Best(policy.monitor, policy.mode) if run.settings.validates else None
+    progress = Progress(best=best, batch_size=data.batch_size, train_size=data.size("train"))
+    streams = checkpoint.RandomState(process)
+    parts = {
+        "model": checkpoint.Weights(strategy.unwrap(model), strategy),
+        "optimizer": checkpoint.OptimizerState(optimizer, model, strategy),
+        "scheduler": schedule,
+        "scaler": scaler,  # {} unless trainer.precision=16
+        "progress": progress,
+        "rng": streams,
+    }
+    if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
+        checkpoint.check_part("task", run.task)
+        parts["task"] = run.task
+    if state:  # the model's weights were loaded as it was built
+        checkpoint.load_parts({k: v for k, v in parts.items() if k != "model"}, state)
+        if shards := state.get(checkpoint.SHARDS):  # checkpoint.sharded=true: each rank its own
+            strategy.load_shards(model, Path(shards), optimizer)
+    if not streams.continued:
         seed_everything(cfg.seed + process.rank)  # each rank its own dropout stream
-        distributed.seed_dp_replicas(process, cfg.seed)  # and under dp, each GPU's replica
-    return Parts(model, optimizer, scheduler, scaler)
+        strategy.seed(cfg.seed)  # and what the mode draws on beyond (dp: each GPU's replica)
+    return Parts(model, optimizer, schedule, scaler), progress, parts
 
 
 def seed_everything(seed: int) -> None:
@@ -111,23 +118,13 @@ def configure_kernels(trainer: Trainer) -> None:
     torch.set_float32_matmul_precision(trainer.matmul_precision)
 
 
-def compiled(model: nn.Module, trainer: Trainer) -> nn.Module:
-    """The model compiled as `trainer.compile` asks: inside a DDP wrapper, around FSDP's."""
-    if not trainer.compile:
-        return model
-    mode = None if trainer.compile is True else trainer.compile
-    # CUDA graphs record one graph per batch shape: static shapes, each compiled in the warm-up,
-    # rather than a dynamic-shape recompile inside the first timed epoch.
-    return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
-
-
 def build_scheduler(
     cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The scheduler of `cfg.scheduler`. Its `interval` is for the loop, not the constructor, and a
     `total_steps: null` is filled with the run's number of optimizer steps."""
     spec = OmegaConf.to_container(cfg.scheduler, resolve=True)
-    del spec["interval"]
+    spec.pop("interval", None)
     if "total_steps" in spec and spec["total_steps"] is None:
         spec["total_steps"] = total_steps
     return instantiated("scheduler", spec, optimizer, values=True)

@@ -1,15 +1,18 @@
-"""Checkpoints: plain dicts of tensors and Python values, written atomically by the main process.
+"""Checkpoints: the run's parts, each saving and loading its own state, in one file written
+atomically by the main process.
 
-A checkpoint holds the unwrapped model's `state_dict` (no `module.` prefix), so it loads into any
-parallel mode, and nothing but tensors and plain Python types, so `torch.load(weights_only=True)`
-reads it. It also holds where training stood (epoch, batches of it done, optimizer step), the
-optimizer and scheduler, and every rank's random state, so a resumed run continues exactly.
-It also holds `best`: which evaluation was best by `checkpoint.monitor`, the one `best.pt` holds.
+A part is anything with `state_dict()` and `load_state_dict()` (the `Stateful` protocol of
+`torch.distributed.checkpoint`): the model's weights, the optimizer, the schedule, the loss
+scaler, the progress, the random state, and a task that keeps state of its own. The file is
+`{name: part.state_dict()}`, with the config it was trained with and its wandb run: tensors and
+plain Python values only, so `torch.load(weights_only=True)` reads it in anyone's code. The
+weights are the plain model's `state_dict` (no `module.` prefix): they load into every mode.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
+import io
 import logging
 import pickle
 import random
@@ -18,7 +21,6 @@ import shutil
 import uuid
 import zipfile
 from collections import OrderedDict
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +29,110 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from src.engine import fsdp, storage
-from src.engine.core.state import Parts, Progress
-from src.engine.distributed import Process, unwrap
+from src.engine import storage
+from src.engine.config import Checkpointing, Settings
 from src.engine.errors import UserError
-from src.engine.settings import Checkpointing, Settings
+from src.engine.parallel import Process, Strategy
 
 log = logging.getLogger(__name__)
 
 # What wrappers prepend to parameter names: DataParallel/DDP, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-TRAINING_KEYS = ("model", "optimizer", "scheduler", "epoch", "epoch_step", "step", "rng")
+PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 SHARDS = "shards"  # checkpoint.sharded=true: the folder beside the file with the model's and the
-# optimizer's shards, which the file holds instead of them
+SHARDED = ("model", "optimizer")  # optimizer's shards, which the file holds instead of them
+
+
+class Weights:
+    """The model's part: its plain `state_dict`, whole (gathered from the ranks' shards where a
+    mode shards it), loaded into the model before it is wrapped."""
+
+    def __init__(self, model: nn.Module, strategy: Strategy, path: Path | str = "the checkpoint"):
+        self.model, self.strategy, self.path = model, strategy, path
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.strategy.model_state(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights saved from any wrapper into the plain model, checked first."""
+        self.model.load_state_dict(checked_weights(self.model, self.path, state))
+
+
+class OptimizerState:
+    """The optimizer's part: its moments continue from the checkpoint, its settings (lr,
+    momentum, betas, ...) stay this config's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, strategy: Strategy):
+        self.optimizer, self.model, self.strategy = optimizer, model, strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.optimizer_state(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        chosen = [{k: v for k, v in group.items() if k != "params"}
+                  for group in self.optimizer.param_groups]  # fmt: skip
+        self.strategy.load_optimizer_state(self.model, self.optimizer, state)
+        for group, fresh in zip(self.optimizer.param_groups, chosen, strict=True):
+            group.pop("initial_lr", None)  # the schedule's start: this config's lr, when built
+            group.update(fresh)
+
+
+class RandomState:
+    """Every rank's random generators (Python, NumPy, torch's CPU and CUDA ones): dropout draws
+    its own masks on each rank, so each rank continues its own stream."""
+
+    def __init__(self, process: Process):
+        self.process, self.continued = process, False
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return self.process.all_gather_object(rng_state())  # every rank calls it
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != self.process.world_size:
+            log.warning(
+                "The checkpoint was saved by %d processes and this run has %d: weights, "
+                "optimizer, schedule and sample order continue, dropout's random streams start "
+                "afresh.",
+                len(states),
+                self.process.world_size,
+            )
+            return
+        set_rng_state(states[self.process.rank])
+        self.continued = True
+
+
+def load_parts(parts: dict[str, Any], state: dict[str, Any]) -> None:
+    """Give each part its own state back. An empty one is a part that was off (float16's loss
+    scaler in another precision): the part keeps its fresh state."""
+    for name, part in parts.items():
+        if state.get(name):
+            part.load_state_dict(state[name])
+
+
+def check_part(name: str, part: Any) -> None:
+    """Before training: a part of a fork's (a task with state) gives a state that a checkpoint can
+    hold and that loads back into it; else one sentence naming its class and file."""
+    from src.engine.errors import first_line, where
+
+    about = f"{name} {type(part).__name__} ({where(type(part))})"
+    try:
+        state = part.state_dict()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever the fork's state holds, told in one line
+        raise UserError(
+            f"The checkpoint cannot hold the state of {about}: {first_line(err)}. Its "
+            "state_dict() may hold tensors and plain Python values only."
+        ) from None
+    try:
+        copy.deepcopy(part).load_state_dict(loaded)
+    except Exception as err:  # noqa: BLE001
+        raise UserError(
+            f"{about} cannot load the state its own state_dict() gives ({type(err).__name__}: "
+            f"{first_line(err)}): a resumed run would stop there. Make load_state_dict take it."
+        ) from None
 
 
 class Checkpointer:
@@ -52,63 +145,128 @@ class Checkpointer:
         policy: Checkpointing,
         run_dir: Path,
         process: Process,
-        parts: Parts,
-        config: dict[str, Any],
-        wandb_id: str | None,
+        strategy: Strategy,
+        parts: dict[str, Any],
+        metadata: dict[str, Any],
     ):
-        self.policy, self.run_dir, self.process, self.parts = policy, run_dir, process, parts
-        self.config, self.wandb_id = config, wandb_id
-        self.last, self.best = (
-            run_dir / "checkpoints" / "last.pt",
-            run_dir / "checkpoints" / "best.pt",
-        )
+        self.policy, self.run_dir, self.process, self.strategy = policy, run_dir, process, strategy
+        self.parts, self.metadata = parts, metadata  # metadata: the config, the wandb run's id
+        self.last, self.best = (run_dir / "checkpoints" / n for n in ("last.pt", "best.pt"))
         self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
 
-    def save(self, progress: Progress) -> None:
-        """`last.pt`, as training stands now."""
+    def save(self, step: int) -> None:
+        """`last.pt`, as training stands now (every rank calls it)."""
         if self.policy.save:
-            self._save(self.last, progress)
-            self.kept = (self.last, progress.step)
+            self._save(self.last, step)
+            self.kept = (self.last, step)
 
-    def due(self, progress: Progress, epoch_steps: int) -> bool:
-        """Whether `last.pt` is due after this step: every `every_n_steps` steps within an epoch
-        (the epoch's end saves anyway)."""
+    def due(self, step: int) -> bool:
+        """Whether `last.pt` is due after `step` within an epoch: every `every_n_steps` steps."""
         every = self.policy.every_n_steps
-        return bool(
-            self.policy.save
-            and every
-            and progress.step % every == 0
-            and progress.epoch_step < epoch_steps
-        )
+        return bool(self.policy.save and every and step % every == 0)
 
-    def epoch_done(self, progress: Progress) -> None:
-        """After an epoch and its validation: `best.pt` if it is the best so far, and `last.pt`."""
-        best = progress.best
-        if not (best and best.update(progress.metrics, progress.epoch)):
-            self.save(progress)
+    def epoch_done(self, step: int, improved: bool) -> None:
+        """After an epoch and its validation: `best.pt` if it `improved` on the best, and
+        `last.pt`."""
+        if not improved:
+            self.save(step)
         elif self.policy.save:
             # best.pt first: a kill between the two writes leaves last.pt behind it, and the
             # resumed run redoes this epoch and writes the same best.pt again.
-            self._save(self.best, progress)
-            self._save(self.last, progress, copy_of=self.best)
-            self.kept = (self.last, progress.step)
+            self._save(self.best, step)
+            self._copy(self.best, self.last, step)
+            self.kept = (self.last, step)
 
     def stopped(self, fault: storage.Fault, step: int | None) -> storage.StorageFull:
         """What stops the run when the storage refused a write: with the checkpoint still intact."""
         return storage.stopped(fault, self.run_dir, step, self.kept)
 
-    def _save(self, path: Path, progress: Progress, copy_of: Path | None = None) -> None:
-        """Write `path` (a copy of the checkpoint `copy_of`, if given); stop every rank, with what
-        is intact, if the storage refuses it."""
-        if copy_of:
-            fault = storage.on_main(self.process, lambda: storage.copy_atomically(copy_of, path))
-        else:
-            fault = save(path, self.process, self.parts, progress, self.config, self.wandb_id,
-                         self.policy.sharded)  # fmt: skip
-        if fault:
-            raise self.stopped(fault, progress.step)
+    def _save(self, path: Path, step: int) -> None:
+        """Write `path` from the main process, atomically; every rank waits for it. A write the
+        storage refused stops every rank, saying what is intact."""
+        names = [name for name in self.parts if not (self.policy.sharded and name in SHARDED)]
+        state = {name: self.parts[name].state_dict() for name in names}  # collectives: every rank
+        if self.policy.sharded:
+            shards, fault = self._save_shards(path)
+            if fault:
+                raise self.stopped(fault, step)
+            state[SHARDS] = shards.name
+
+        def write() -> None:
+            # Not parents=True: a run folder deleted during the run is reported, not made anew.
+            path.parent.mkdir(exist_ok=True)
+            storage.write_atomically(
+                path, lambda file: torch.save({**state, **self.metadata}, file)
+            )
+
+        if fault := storage.on_main(self.process, write, path):
+            raise self.stopped(fault, step)
         if self.policy.sharded and self.process.is_main:
             remove_unnamed_shards(path.parent)
+
+    def _copy(self, source: Path, target: Path, step: int) -> None:
+        copied = storage.on_main(self.process, lambda: storage.copy_atomically(source, target))
+        if copied:
+            raise self.stopped(copied, step)
+
+    def _save_shards(self, path: Path) -> tuple[Path, storage.Fault | None]:
+        """checkpoint.sharded=true: every rank writes its shards of the model and the optimizer
+        into a new folder beside `path` (torch.distributed.checkpoint's format), which the file at
+        `path` then names instead of holding them: written after every shard, it replaces the
+        previous file, whose folder stays whole until then. Returns the folder, and the
+        storage's refusal on any rank, on every rank."""
+        process = self.process
+        shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
+        model = self.strategy.unwrap(self.parts["model"].model)
+        # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
+        # shards' writer takes an unsharded tensor from whichever rank it picks.
+        process.broadcast_tensors(model.buffers())
+
+        def make() -> None:  # not parents=True: a run folder deleted meanwhile is reported
+            path.parent.mkdir(exist_ok=True)
+            shards.mkdir(exist_ok=True)
+
+        # The folder first, on every rank, so that no rank waits in the writer's collectives for
+        # one that could not make it.
+        if fault := storage.agree(process, storage.attempt(make, shards)):
+            return shards, fault
+        optimizer = self.parts["optimizer"].optimizer
+
+        def write() -> None:
+            self.strategy.save_shards(model, optimizer, shards)
+
+        return shards, storage.agree(process, storage.attempt(write, shards))
+
+    def load_best(self, model: nn.Module) -> None:
+        """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run
+        folder is rank 0's, which other machines may not see) and every other rank receives its
+        weights."""
+        path, plain, process = self.best, self.strategy.unwrap(model), self.process
+        error, state = None, {}
+        if process.is_main:
+            try:
+                state = _checked(path, weights_only=True)
+                if SHARDS not in state:  # checked, and named as the plain model names them
+                    state["model"] = checked_weights(plain, path, state["model"])
+            except UserError as err:
+                error = str(err)
+        if errors := [e for e in process.all_gather_object(error) if e]:
+            raise UserError(errors[0])
+        if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
+            load_shards(model, path, shards, self.strategy)
+        else:
+            self.strategy.load_model_state(model, state.get("model", {}), process)
+
+
+def upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before its parts kept their own state (commit 77da666 and earlier:
+    where training stood as keys of its own) in this layout."""
+    if "progress" in state or "epoch" not in state:
+        return state
+    saved = (state.get("config") or {}).get("data", {}).get("batch_size")
+    keys = ("epoch", "epoch_step", "step", "metrics", "best")
+    progress = {key: state.pop(key) for key in keys if key in state}
+    return {**state, "progress": {**progress, "batch_size": saved}}
 
 
 def shards_named(path: Path) -> str | None:
@@ -154,94 +312,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
 
 
-def save(
-    path: Path,
-    process: Process,
-    parts: Parts,
-    progress: Progress,
-    config: dict[str, Any],
-    wandb_id: str | None,
-    sharded: bool = False,
-) -> storage.Fault | None:
-    """Write a checkpoint to `path` from the main process, atomically; every rank waits for it,
-    and returns the storage's refusal if there was one (a full disk), on every rank.
-
-    `parts` are the model (its plain `state_dict` is saved), the optimizer, the scheduler and the
-    gradient scaler. Each rank's random state is kept (dropout differs per rank), gathered to the
-    main process. The file is written beside its final name and renamed over it, so a kill
-    during the write, or a refused one, leaves the previous checkpoint whole. `sharded`: see
-    `save_shards`.
-    """
-    rng = process.all_gather_object(rng_state())
-    if sharded:
-        shards, fault = save_shards(path, process, parts)
-        if fault:
-            return fault
-        weights = {SHARDS: shards.name}
-    else:
-        model = model_state(parts.model)
-        weights = {"model": model, "optimizer": optimizer_state(parts.model, parts.optimizer)}
-
-    def write() -> None:
-        state = {
-            **weights,
-            "scheduler": parts.scheduler.state_dict(),
-            "scaler": parts.scaler.state_dict(),  # {} unless trainer.precision=16
-            "epoch": progress.epoch,
-            "epoch_step": progress.epoch_step,
-            "step": progress.step,
-            "best": progress.best and asdict(progress.best),  # None without a validation split
-            "rng": rng,
-            "config": config,
-            "wandb_id": wandb_id,
-            "metrics": progress.metrics,
-        }
-        # Not parents=True: a run folder deleted during the run is reported, not made anew.
-        path.parent.mkdir(exist_ok=True)
-        storage.write_atomically(path, lambda file: torch.save(state, file))
-
-    return storage.on_main(process, write, path)
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's whole `state_dict`: under FSDP gathered from the ranks (every rank calls
-    it), onto the main process."""
-    model = unwrap(model)
-    return fsdp.model_state(model) if fsdp.is_sharded(model) else model.state_dict()
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()`, whole: under FSDP gathered as `model_state` is."""
-    model = unwrap(model)
-    if fsdp.is_sharded(model):
-        return fsdp.optimizer_state(model, optimizer)
-    return optimizer.state_dict()
-
-
-def save_shards(path: Path, process: Process, parts: Parts) -> tuple[Path, storage.Fault | None]:
-    """checkpoint.sharded=true (FSDP): every rank writes its shards of the model and the optimizer
-    into a new folder beside `path` (torch.distributed.checkpoint's format), which the file at
-    `path` then names instead of holding them: written after every shard, it replaces the
-    previous file, whose folder stays whole until then. Returns the folder, and the storage's
-    refusal on any rank, on every rank."""
-    shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
-    model = unwrap(parts.model)
-    # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
-    # shards' writer takes an unsharded tensor from whichever rank it picks.
-    process.broadcast_tensors(model.buffers())
-
-    def make() -> None:  # not parents=True: a run folder deleted meanwhile is reported
-        path.parent.mkdir(exist_ok=True)
-        shards.mkdir(exist_ok=True)
-
-    # The folder first, on every rank, so that no rank waits in the writer's collectives for one
-    # that could not make it.
-    if fault := storage.agree(process, storage.attempt(make, shards)):
-        return shards, fault
-    write = functools.partial(fsdp.save_sharded, model, parts.optimizer, shards)
-    return shards, storage.agree(process, storage.attempt(write, shards))
-
-
 def _copy(source: Path, target: Path) -> None:
     """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -268,8 +338,10 @@ def find_resume(settings: Settings, run_dir: Path, process: Process) -> tuple[Pa
     log.info("Resuming from %s", path)
     if paths.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
-    state = load(path, process)
-    state["best"] = _best_pt_beside((path, state["step"]), run_dir, state.get("best"), process)
+    state = load(path, process, settings.parallel)
+    progress = state["progress"]
+    progress["best"] = _best_pt_beside((path, progress["step"]), run_dir, progress.get("best"),
+                                       process)  # fmt: skip
     return path, state
 
 
@@ -300,28 +372,6 @@ def _best_pt_beside(
     return best if found else None
 
 
-def load_best(model: nn.Module, run_dir: Path, process: Process) -> None:
-    """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run folder
-    is rank 0's, which other machines may not see) and every other rank receives its weights."""
-    path, model, error, state = run_dir / "checkpoints" / "best.pt", unwrap(model), None, {}
-    if process.is_main:
-        try:
-            state = _checked(path, weights_only=True)
-            if SHARDS not in state:
-                state["model"] = load_model(model, path, state)
-        except UserError as err:
-            error = str(err)
-    errors = [e for e in process.all_gather_object(error) if e]
-    if errors:
-        raise UserError(errors[0])
-    if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
-        load_shards(model, path, shards)
-    elif fsdp.is_sharded(model):  # each rank receives its shards of rank 0's weights
-        fsdp.load_model_state(model, state.get("model", {}), process.is_main)
-    else:
-        process.broadcast_tensors(model.state_dict().values())
-
-
 def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | None:
     """The file the model's first weights come from: `ckpt_path` to evaluate (train=false),
     `init_from` to fine-tune; None for fresh weights."""
@@ -329,10 +379,12 @@ def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | No
     if name is None:
         return None
     path = Path(name).expanduser()
-    return path, load(path, process, weights_only=True)
+    return path, load(path, process, settings.parallel, weights_only=True)
 
 
-def load(path: Path, process: Process, weights_only: bool = False) -> dict[str, Any]:
+def load(
+    path: Path, process: Process, strategy: Strategy, weights_only: bool = False
+) -> dict[str, Any]:
     """A checkpoint of this template, read by every rank into CPU memory.
 
     Loading copies the weights onto the model's device, and the optimizer places its state by
@@ -350,7 +402,7 @@ def load(path: Path, process: Process, weights_only: bool = False) -> dict[str, 
     errors = [e for e in process.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    if SHARDS in state and process.mode != "fsdp":
+    if SHARDS in state and not strategy.shards_checkpoints:
         raise UserError(
             f"{path} holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp "
             "reads, with any number of processes: add parallel=fsdp."
@@ -363,9 +415,11 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
     state = _read(path)
     if weights_only and _is_state_dict(state):
         state = {"model": state}
-    needed = ("model",) if weights_only else TRAINING_KEYS
+    if isinstance(state, dict):
+        state = upgraded(state)
+    needed = ("model",) if weights_only else PARTS
     if isinstance(state, dict) and SHARDS in state:  # checkpoint.sharded=true: beside the file
-        needed = tuple(key for key in needed if key not in ("model", "optimizer"))
+        needed = tuple(key for key in needed if key not in SHARDED)
         state[SHARDS] = str(path.parent / state[SHARDS])
         if not (Path(state[SHARDS]) / ".metadata").is_file():
             raise UserError(
@@ -418,23 +472,20 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def load_model(model: nn.Module, path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Load the weights of checkpoint `state` (read from `path`) into the plain `model`, whatever
-    wrapper they were saved from; returns them, as the model names them. (A model FSDP sharded
-    is only checked: it receives them from rank 0, in `load_best`.)
-
-    Prefixes that DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) add are removed.
-    A checkpoint of another architecture stops with the first keys and shapes that differ.
-    """
-    state_dict = OrderedDict(state["model"])
+def checked_weights(
+    model: nn.Module, path: Path | str, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The weights `state` (of the file at `path`), saved from any wrapper, named as the plain
+    `model` names them (without DataParallel's and DDP's `module.`, torch.compile's
+    `_orig_mod.`), and checked: another architecture stops with the first keys and shapes that
+    differ, weights that are not finite stop, another dtype is told."""
+    state = OrderedDict(state)
     for prefix in WRAPPER_PREFIXES:
-        consume_prefix_in_state_dict_if_present(state_dict, prefix)
-    check_architecture(model, path, {key: tuple(t.shape) for key, t in state_dict.items()})
-    check_finite(path, state_dict)
-    note_conversion(model, path, {key: t.dtype for key, t in state_dict.items()})
-    if not fsdp.is_sharded(model):
-        model.load_state_dict(state_dict)
-    return state_dict
+        consume_prefix_in_state_dict_if_present(state, prefix)
+    check_architecture(model, path, {key: tuple(t.shape) for key, t in state.items()})
+    check_finite(path, state)
+    note_conversion(model, path, {key: t.dtype for key, t in state.items()})
+    return state
 
 
 def check_finite(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
@@ -450,13 +501,14 @@ def check_finite(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
         )
 
 
-def load_shards(model: nn.Module, path: Path, shards: str) -> None:
+def load_shards(model: nn.Module, path: Path, shards: str, strategy: Strategy) -> None:
     """Load the model's weights from the `shards` folder that the checkpoint at `path` names
-    into the model FSDP sharded (every rank calls it, and reads its own parts)."""
-    saved = fsdp.saved_tensors(Path(shards))
-    check_architecture(model, path, {name: shape for name, (shape, _) in saved.items()})
-    note_conversion(model, path, {name: dtype for name, (_, dtype) in saved.items()})
-    fsdp.load_sharded(model, Path(shards))
+    into the sharded model (every rank calls it, and reads its own parts)."""
+    saved = strategy.saved_tensors(Path(shards))
+    plain = strategy.unwrap(model)
+    check_architecture(plain, path, {name: shape for name, (shape, _) in saved.items()})
+    note_conversion(plain, path, {name: dtype for name, (_, dtype) in saved.items()})
+    strategy.load_shards(model, Path(shards))
 
 
 def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...]]) -> None:
@@ -472,9 +524,7 @@ def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int,
     problems += [f"{key} not in the model" for key in saved if key not in expected]
     if problems:
         shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
-        name = type(model).__name__
-        if fsdp.is_sharded(model):  # FSDP made its class FSDP<name>
-            name = name.removeprefix("FSDP")
+        name = type(model).__name__.removeprefix("FSDP")  # FSDP made its class FSDP<name>
         raise UserError(
             f"{path} holds weights of another architecture than {name} ({shown}). "
             "Choose the model= (and its sizes) it was saved with."
@@ -498,34 +548,51 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape)) or "scalar"
 
 
-def restore(
-    state: dict[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    process: Process,
-) -> bool:
-    """Continue the optimizer's state, the loss scale and this rank's random streams from
-    `state` (the schedule is this config's, stepped to where it stood: `resume.replan`).
+# What decides which images are trained on, validated on and in what order: it stays the
+# checkpoint's, or the rest of the run trains on other images than its start did.
+FIXED = ("seed", "data.seed", "data.split_seed", "data.val_size", "data.subset", "data.dataset")
+QUIET = ("paths", "resume")  # where files are: no line when they change
 
-    Returns False when the random streams could not continue (another number of processes).
-    """
-    model = unwrap(model)
-    if SHARDS in state:  # checkpoint.sharded=true: each rank reads its own parts
-        fsdp.load_sharded(model, Path(state[SHARDS]), optimizer)  # the model's: build_model
-    elif fsdp.is_sharded(model):  # each rank keeps its shards of the whole state
-        fsdp.load_optimizer_state(model, optimizer, state["optimizer"])
-    else:
-        optimizer.load_state_dict(state["optimizer"])
-    if state.get("scaler"):  # {} from a run without float16's loss scaling: start a fresh scale
-        scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) != process.world_size:
-        log.warning(
-            "The checkpoint was saved by %d processes and this run has %d: weights, optimizer, "
-            "schedule and sample order continue, dropout's random streams start afresh.",
-            len(state["rng"]),
-            process.world_size,
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Each leaf of a nested config, by its dotted key."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    leaves = {}
+    for key, value in config.items():
+        leaves.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else prefix + key))
+    return leaves
+
+
+def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: Any) -> None:
+    """Log each key this config changes from the checkpoint's `saved` config (both resolved), and
+    refuse a change a resumed run cannot make. A checkpoint without a config is taken as is."""
+    if not saved:
+        return
+    before, after = _flat(saved), _flat(config)
+    optimizer = before.get("optimizer._target_"), after.get("optimizer._target_")
+    if optimizer[0] and optimizer[0] != optimizer[1]:
+        raise UserError(
+            f"{path} was trained with {optimizer[0]}, and this config's optimizer is "
+            f"{optimizer[1]}: its state cannot continue in another optimizer. Resume with the "
+            f"checkpoint's optimizer, or start from its weights with a fresh one: init_from={path}."
         )
-        return False
-    set_rng_state(state["rng"][process.rank])
-    return True
+    interval = before.get("scheduler.interval"), after.get("scheduler.interval")
+    if interval[0] and interval[0] != interval[1]:
+        raise UserError(
+            f"scheduler.interval={interval[1]}, and {path} was trained with "
+            f"scheduler.interval={interval[0]}: where its schedule stands is counted in "
+            f"{interval[0]}s. Resume with scheduler.interval={interval[0]}, or start a new run "
+            f"from its weights: init_from={path}."
+        )
+    for key in FIXED:
+        if key in before and before[key] != after.get(key):
+            raise UserError(
+                f"{key}={after.get(key)}, and {path} was trained with {key}={before[key]}: it "
+                "decides which images train and validate, in what order, so it cannot change in "
+                f"a resumed run. Resume with {key}={before[key]}, or start a new run from its "
+                f"weights: init_from={path}."
+            )
+    for key in sorted(before.keys() | after.keys()):
+        if key.split(".")[0] not in QUIET and before.get(key) != after.get(key):
+            log.info("%s %s → %s from this config", key, before.get(key), after.get(key))

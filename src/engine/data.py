@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.engine import storage
-from src.engine.distributed import Process
 from src.engine.errors import UserError, first_line
+from src.engine.parallel import Process
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +114,17 @@ class Data:
     def __init__(
         self,
         dataset: str,
-        mean: float | Sequence[float] | None,
-        std: float | Sequence[float] | None,
-        num_classes: int | None,
-        batch_size: int,
-        test_batch_size: int,
-        subset: int | None,
-        seed: int,
-        val_size: int,
-        split_seed: int,
+        mean: float | Sequence[float] | None = None,
+        std: float | Sequence[float] | None = None,
+        num_classes: int | None = None,
+        batch_size: int = 64,
+        test_batch_size: int = 1000,
+        subset: int | None = None,
+        seed: int = 0,
+        val_size: int = 0,
+        split_seed: int = 0,
+        root: str | None = None,
+        download: bool = False,
         in_channels: int | None = None,
         image_size: int | None = None,
         class_names: Sequence[str] | None = None,
@@ -134,12 +136,12 @@ class Data:
         **options,
     ):
         # Data's own keys, before any other name is defined: a dataset class may need some of
-        # them (image_size to resize, num_classes and seed to draw synthetic samples).
+        # them (root to read, image_size to resize, num_classes and seed to draw samples).
         own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
-        if isinstance(options.get("root"), str):  # data.root="~/mnist": the user's own folder
-            options["root"] = os.path.expanduser(options["root"])
+        if isinstance(root, str):  # data.root="~/mnist": the user's own folder
+            own["root"] = os.path.expanduser(root)
         try:  # hydra's get_class would log the error before this says it
             module, _, name = dataset.rpartition(".")
             if not module:

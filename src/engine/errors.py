@@ -75,3 +75,78 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
             "(python train.py --cfg job shows them).",
             every_rank=True,
         ) from None
+
+
+def typed(cls: type, node: Any, section: str, exclude: tuple[str, ...] = ()) -> Any:
+    """The dataclass `cls` built from the config `node` (a DictConfig or a dict): OmegaConf checks
+    each value against its field's type, `cls.__post_init__` its range and choices. A value of
+    the wrong type, or a key `cls` has no field for, is one sentence naming it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    untyped(cls, section)
+    if not isinstance(node, dict):
+        node = OmegaConf.to_container(node, resolve=True)
+    values = {key: value for key, value in node.items() if key not in exclude}
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except ConfigKeyError as err:
+        raise UserError(
+            f"{section}.{err.key} is not a key of {section}: {cls.__name__} ({where(cls)}) has "
+            "no field of that name. Check its spelling (python train.py --cfg job shows the keys).",
+            every_rank=True,
+        ) from None
+    except ValidationError as err:
+        value = values.get(err.full_key, err.value)
+        raise UserError(
+            f"{section}.{err.full_key}={value} is not allowed: {first_line(err)} (the type of "
+            f"{cls.__name__}.{err.full_key}).",
+            every_rank=True,
+        ) from None
+
+
+def untyped(cls: type, section: str) -> None:
+    """Refuse a setting a fork declared without a type (`rate = 0.1` in a dataclass is a class
+    attribute, no field, and no key of the config)."""
+    shared = {name for c in cls.__mro__ for name, t in vars(c).get("__annotations__", {}).items()
+              if "ClassVar" in str(t)}  # fmt: skip
+    fields = getattr(cls, "__dataclass_fields__", {})
+    for c in cls.__mro__[:-1]:
+        for name, value in vars(c).items():
+            if name.startswith("_") or name in fields or name in shared:
+                continue
+            if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
+                continue
+            raise UserError(
+                f"{where(c)}: {c.__name__}.{name} = {value!r} has no type, so it is no key of "
+                f"{section}: declare it as a field, `{name}: {type(value).__name__} = {value!r}`.",
+                every_rank=True,
+            )
+
+
+def where(cls: type) -> str:
+    """The file a class is written in, relative to the working folder where it lies inside."""
+    import inspect
+    from pathlib import Path
+
+    try:
+        path = Path(inspect.getsourcefile(cls) or "")
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+    except TypeError:
+        return cls.__module__
+
+
+def refuse(key: str, value: Any, allowed: str) -> None:
+    """Stop on a value of `key` training cannot use, saying what is `allowed`."""
+    if isinstance(value, bool):
+        value = str(value).lower()
+    raise UserError(f"{key}={value} is not allowed: use {allowed}.", every_rank=True)
+
+
+def at_least(key: str, value: int | float | None, low: int, nullable: bool = False) -> None:
+    """Refuse a `value` of `key` below `low` (None where it is `nullable`)."""
+    if value is None and nullable:
+        return
+    if value is None or value < low:
+        allowed = f"at least {low}" if low else "0 or more"
+        refuse(key, value, f"null or {allowed}" if nullable else allowed)

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from src.engine import storage
-from src.engine.distributed import Process
+from src.engine.parallel import Process
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def open_logger(
     history, run_id = [], None
     if resumed:
         path, state = resumed
-        history = metrics_until(path.parent.parent / "metrics.jsonl", state["step"])
+        history = metrics_until(path.parent.parent / "metrics.jsonl", state["progress"]["step"])
         run_id = state.get("wandb_id")
     return MetricsLogger(run_dir, tracker and tracker(run_id), history)
 

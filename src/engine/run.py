@@ -19,21 +19,20 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.engine import checkpoint, resume, storage
+from src.engine import checkpoint, storage
 from src.engine.build import build_model, build_parts, check_accumulation, configure_kernels
 from src.engine.checkpoint import Checkpointer
+from src.engine.config import Settings, read_settings
+from src.engine.core.context import Hooks, Run
 from src.engine.core.evaluate import Fitted, evaluate_and_log, test
-from src.engine.core.hooks import Hooks
 from src.engine.core.loop import fit
-from src.engine.core.state import Parts, Run
-from src.engine.distributed import Process, unwrap
 from src.engine.errors import instantiated, on_every_rank
 from src.engine.guards import drift
 from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count
 from src.engine.guards.signals import StopSignals, during_the_test, interrupted, signals_interrupt
-from src.engine.launch.process import setup, shared_run_dir, teardown
+from src.engine.launch import shared_run_dir
 from src.engine.logger import open_logger
-from src.engine.settings import Settings, read_settings
+from src.engine.parallel import Process, teardown
 from src.engine.tools import plots
 from src.engine.tools.profiler import Profiler
 from src.engine.tools.progress import ProgressBar
@@ -52,7 +51,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
     with on_every_rank():  # under torchrun, one rank per machine tells a mistake found here
         settings = read_settings(cfg)  # the config's values, checked before any work
         configure_kernels(settings.trainer)
-        process = setup(settings.parallel, settings.trainer)  # alone, or a rank of a DDP group
+        process = settings.parallel.setup(settings.device, settings.trainer)  # or a rank of a group
     # Where a signal outside training (SIGTERM, Ctrl-C) finds the run, and what is kept.
     when = "before training; nothing was saved" if cfg.train else "during the evaluation"
     try:
@@ -71,10 +70,9 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                     check_count(run)  # and it has something to learn from
                 model = build_model(cfg, run, weights)
                 if cfg.train:
-                    state = resumed and resumed[1]
-                    parts = build_parts(cfg, run, model, state)
-                    run.checkpointer = checkpointer(run, parts, config, resumed)
-                    fitted = fit(run, parts, state)
+                    parts, progress, saved = build_parts(cfg, run, model, resumed and resumed[1])
+                    run.checkpointer = checkpointer(run, saved, config, resumed)
+                    fitted = fit(run, parts, progress)
                     result = fitted.best and fitted.best.value
                     when = during_the_test(fitted.step, run.checkpointer)  # for a signal now
                 else:  # train=false: the checkpoint's weights, on the validation split too
@@ -97,18 +95,20 @@ def starting_point(
     resumed = checkpoint.find_resume(settings, run_dir, process)
     config = OmegaConf.to_container(cfg, resolve=True)
     if resumed:  # what this config changes from the checkpoint's: applied, or refused
-        resume.check_changes(resumed[1].get("config"), config, resumed[0])
-    write_config(config, run_dir, process, resumed and (resumed[0], resumed[1]["step"]))
+        checkpoint.check_changes(resumed[1].get("config"), config, resumed[0])
+    step = resumed and resumed[1]["progress"]["step"]
+    write_config(config, run_dir, process, resumed and (resumed[0], step))
     return resumed, resumed or checkpoint.find_weights(settings, process), config
 
 
 def checkpointer(
-    run: Run, parts: Parts, config: dict[str, Any], resumed: tuple | None
+    run: Run, parts: dict[str, Any], config: dict[str, Any], resumed: tuple | None
 ) -> Checkpointer:
     """What saves the run's checkpoints; the one it resumes from is kept until it writes its own."""
-    wandb_id = run.logger.run_id if run.logger else None
-    saver = Checkpointer(run.settings.checkpoint, run.run_dir, run.process, parts, config, wandb_id)
-    saver.kept = resumed and (resumed[0], resumed[1]["step"])
+    metadata = {"config": config, "wandb_id": run.logger.run_id if run.logger else None}
+    saver = Checkpointer(run.settings.checkpoint, run.run_dir, run.process, run.strategy, parts,
+                         metadata)  # fmt: skip
+    saver.kept = resumed and (resumed[0], resumed[1]["progress"]["step"])
     return saver
 
 
@@ -117,8 +117,8 @@ def hooks(settings: Settings) -> Hooks:
     trainer = settings.trainer
     chosen = [WarmUp()] if trainer.warmup_steps else []  # before the signal handlers
     chosen += [UnwrittenMetrics(), NonFinite(), StopSignals()]  # checked in this order
-    if settings.check_sync is not None:  # DDP: the ranks' weights compared
-        chosen.append(drift.DriftGuard(settings.check_sync))
+    if settings.parallel.drift_every is not None:  # DDP: the ranks' weights compared
+        chosen.append(drift.DriftGuard(settings.parallel.drift_every))
     chosen += [ProgressBar(), Speed()]
     if trainer.profile:
         chosen.append(Profiler(trainer.profile))
@@ -145,7 +145,8 @@ def tracker(
 
 def evaluate_weights(run: Run, model: nn.Module, weights: tuple) -> tuple[Fitted, float | None]:
     """train=false: the checkpoint's weights on the validation split, if there is one."""
-    fitted = Fitted(weights[1].get("epoch", 0), weights[1].get("step", 0), None)
+    saved = weights[1].get("progress", {})
+    fitted = Fitted(saved.get("epoch", 0), saved.get("step", 0), None)
     if not run.data.size("val"):
         return fitted, None
     at = {"step": fitted.step, "epoch": fitted.epoch}
@@ -158,7 +159,7 @@ def finish(run: Run, model: nn.Module, fitted: Fitted, pictures: bool) -> None:
     run, and none tears the process group down while another still uses it."""
     unwritten = run.logger and run.logger.fault  # metrics.jsonl, refused by the storage
     # Every rank predicts: under FSDP a forward needs them all.
-    shown = plots.predict(unwrap(model), run.data, run.task) if pictures else None
+    shown = plots.predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
     if pictures and run.process.is_main and not unwritten:
         unwritten = storage.attempt(lambda: draw(run, shown))
     if unwritten := storage.agree(run.process, unwritten or None):

@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from src.engine.errors import UserError
 
 if TYPE_CHECKING:
-    from src.engine.distributed import Process
+    from src.engine.parallel import Process
 
 # What each refusal means, and what to do about it before resuming.
 FULL = {

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from src.engine import checkpoint
-from src.engine.core.state import Best, Run
+from src.engine.core.context import Run
+from src.engine.core.state import Best
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
     epoch, step, best = fitted
     weights, weights_epoch = f"the weights after epoch {epoch} (step {step})", epoch
     if best and best.epoch is not None and run.trainer.test_weights == "best":
-        checkpoint.load_best(model, run.run_dir, run.process)
+        run.checkpointer.load_best(model)
         weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
         weights_epoch = best.epoch
     record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
@@ -66,17 +66,14 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     turned into metrics once: exact, whatever the world size and the batch size.
     """
     task, process, trainer = run.task, run.process, run.trainer
-    # Under DDP each rank evaluates its share with the model inside: DDP's forward may broadcast
-    # buffers, a collective that ranks with different numbers of batches would hang in.
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
+    model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
     # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
     process.broadcast_tensors(model.buffers())
     model.eval()
     sums: dict[str, float] = {}
-    # Under FSDP every forward is collective: each rank runs as many as the rank with the most.
-    for inputs, targets in run.data.eval_batches(split, even=process.mode == "fsdp"):
+    # Where every forward is collective (FSDP), each rank runs as many as the rank with the most.
+    for inputs, targets in run.data.eval_batches(split, even=run.strategy.even_eval):
         with trainer.autocast(process.device):
             outputs = model(inputs)
         batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}

@@ -7,21 +7,20 @@ named points (`src/engine/core/hooks.py`); what is saved and when is the checkpo
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from src.engine.core.context import Run
 from src.engine.core.evaluate import Fitted, evaluate_and_log
-from src.engine.core.state import Parts, Progress, Run
+from src.engine.core.state import Parts, Progress
 from src.engine.core.step import train_step
 
 log = logging.getLogger(__name__)
 
 
-def fit(run: Run, parts: Parts, resumed: dict[str, Any] | None = None) -> Fitted:
-    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping),
-    validating after each epoch (with a validation split) and saving checkpoints; continue where
-    `resumed` stood. The test split is not touched here."""
+def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
+    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping)
+    from where `progress` stands, validating after each epoch (with a validation split) and
+    saving checkpoints. The test split is not touched here."""
     settings, saver, hooks = run.settings, run.checkpointer, run.hooks
-    progress = Progress.start(saver.policy, settings.validates, resumed, run.data.steps_per_epoch)
     if why := why_finished(progress, run):
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
@@ -35,7 +34,9 @@ def fit(run: Run, parts: Parts, resumed: dict[str, Any] | None = None) -> Fitted
                 val = evaluate_and_log(run, parts.model, "val", progress.record, progress.about)
                 progress.metrics = val
             hooks.check(run, progress)  # metrics.jsonl took those lines: checked before a save
-            saver.epoch_done(progress)
+            best = progress.best  # None without a validation split
+            improved = bool(best and best.update(progress.metrics, progress.epoch))
+            saver.epoch_done(progress.step, improved)
             if stopping := hooks.stopping(run):
                 stopping.stop(run, progress)
             if progress.epoch_step == run.data.steps_per_epoch:
@@ -66,8 +67,7 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         logs = (progress.step + 1) % trainer.log_every_n_steps == 0
         loss, grad_norm = train_step(run, parts, batch, measure_norm=logs)
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
-        if trainer.step_interval:
-            parts.scheduler.step()
+        parts.schedule.after_step()
         progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
         hooks.after_step(run, progress, loss)
         if logs:  # the ranks agree on the loss (and on the guards' checks), and it is logged
@@ -80,13 +80,13 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         if stopping := hooks.stopping(run):
             save(run, parts, progress)
             stopping.stop(run, progress)
-        if run.checkpointer.due(progress, data.steps_per_epoch):
+        if run.checkpointer.due(progress.step):
             save(run, parts, progress)
-    if not trainer.step_interval and progress.epoch_step == data.steps_per_epoch:
-        parts.scheduler.step()
+    if progress.epoch_step == data.steps_per_epoch:
+        parts.schedule.after_epoch()
 
 
 def save(run: Run, parts: Parts, progress: Progress) -> None:
     """`last.pt` now, once the ranks agree that the losses and the weights are sound."""
     run.hooks.check(run, progress, weights=parts.model)
-    run.checkpointer.save(progress)
+    run.checkpointer.save(progress.step)

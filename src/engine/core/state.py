@@ -1,30 +1,20 @@
-"""The training state and the run's context: what the core's functions take instead of long
-argument lists.
-
-`Parts` and `Progress` are what training changes and a checkpoint saves; `Run` is what every
-function of a run shares and does not change: this process, the settings, the data, and where
-results go (the logger, the checkpointer, the run folder), with the hooks the loop calls.
-"""
+"""The training state: what training changes and a checkpoint saves, each part with its own
+`state_dict` and `load_state_dict` (the schedule, the progress; the model, the optimizer and the
+scaler are torch's own, or adapted in src/engine/checkpoint.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from src.engine.core.hooks import Hooks  # which imports this module for its annotations only
-
-if TYPE_CHECKING:  # for the annotations only: these modules import this one
-    from src.engine.checkpoint import Checkpointer
-    from src.engine.core.task import Task
-    from src.engine.data import Data
-    from src.engine.distributed import Process
-    from src.engine.logger import MetricsLogger
-    from src.engine.settings import Checkpointing, Settings, Trainer
+from src.engine.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -68,41 +58,56 @@ class Best:
 
 @dataclass
 class Progress:
-    """Where training stands: what a checkpoint records, and where a resumed run continues."""
+    """Where training stands, and its position in the epoch's batches: a part of the checkpoint,
+    where a resumed run continues."""
 
     epoch: int = 1  # the epoch training is in, from 1
     epoch_step: int = 0  # its batches done
     step: int = 0  # optimizer steps done in all
     metrics: dict[str, Any] = field(default_factory=dict)  # the last validation's
     best: Best | None = None  # the best validation so far; None without a validation split
+    batch_size: int = 1  # the global batch epoch_step counts (data.batch_size)
+    train_size: int = 0  # the images of an epoch: the data's, not saved
 
-    @classmethod
-    def start(
-        cls,
-        policy: Checkpointing,
-        validates: bool,
-        resumed: dict[str, Any] | None,
-        steps_per_epoch: int,
-    ) -> Progress:
-        """A fresh start, or where the `resumed` checkpoint stood (the next epoch, if it was saved
-        at the end of one)."""
-        best = Best(policy.monitor, policy.mode) if validates else None
-        if not resumed:
-            return cls(best=best)
-        progress = cls(
-            resumed["epoch"], resumed["epoch_step"], resumed["step"], resumed["metrics"], best
-        )
-        if best:
-            progress.best = Best.resume(best.monitor, best.mode, resumed.get("best"))
-        if progress.epoch_step >= steps_per_epoch:  # saved at the end of an epoch
-            progress.epoch, progress.epoch_step = progress.epoch + 1, 0
-        log.info(
-            "Resuming at epoch %d, after %d of its batches, step %d",
-            progress.epoch,
-            progress.epoch_step,
-            progress.step,
-        )
-        return progress
+    def state_dict(self) -> dict[str, Any]:
+        best = self.best and dataclasses.asdict(self.best)
+        keys = ("epoch", "epoch_step", "step", "metrics", "batch_size")
+        return {**{key: getattr(self, key) for key in keys}, "best": best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the checkpoint stood: at the same image of its epoch under another
+        batch size that divides the images done, and in the next epoch if it was saved at the end
+        of one."""
+        self.epoch, self.step, self.metrics = state["epoch"], state["step"], state["metrics"]
+        saved = state.get("batch_size") or self.batch_size
+        self.epoch_step = self.rebatched(state["epoch_step"], saved)
+        if self.best:
+            self.best = Best.resume(self.best.monitor, self.best.mode, state.get("best"))
+        if self.epoch_step >= math.ceil(self.train_size / self.batch_size):  # an epoch's end
+            self.epoch, self.epoch_step = self.epoch + 1, 0
+        log.info("Resuming at epoch %d, after %d of its batches, step %d",
+                 self.epoch, self.epoch_step, self.step)  # fmt: skip
+
+    def rebatched(self, batches: int, saved: int) -> int:
+        """The checkpoint's `batches` of `saved` images into the epoch, in this run's batches:
+        refused where they do not end on one of them."""
+        if saved == self.batch_size:
+            return batches
+        done = min(batches * saved, self.train_size)
+        if done == self.train_size:  # saved at the end of an epoch
+            return math.ceil(self.train_size / self.batch_size)
+        if done % self.batch_size:
+            sizes = [d for d in range(1, done + 1) if done % d == 0]
+            near = sorted(sorted(sizes, key=lambda d: (abs(d - self.batch_size), d))[:3])
+            raise UserError(
+                f"The checkpoint stands {done} images into epoch {self.epoch} ({batches} "
+                f"batches of {saved}), which data.batch_size={self.batch_size} does not divide: "
+                f"resume with one that does ({', '.join(map(str, near))}), or from a checkpoint "
+                "at the end of an epoch."
+            )
+        log.info("The checkpoint's %d batches of %d into epoch %d are %d batches of %d",
+                 batches, saved, self.epoch, done // self.batch_size, self.batch_size)  # fmt: skip
+        return done // self.batch_size
 
     @property
     def record(self) -> dict[str, int]:
@@ -119,32 +124,40 @@ class Progress:
         return self.epoch if self.epoch_step else self.epoch - 1
 
 
+class Schedule:
+    """The learning-rate scheduler, stepped after every optimizer step or after every epoch; a
+    part of the checkpoint."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, every_step: bool = False):
+        self.scheduler, self.every_step = scheduler, every_step
+
+    def after_step(self) -> None:
+        if self.every_step:
+            self.scheduler.step()
+
+    def after_epoch(self) -> None:
+        if not self.every_step:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This config's plan (for its epochs, max_steps, batch size), stepped through the steps
+        the checkpoint's had taken: the rate a fresh run of this config would have there (the
+        checkpoint's own, when the plan is the same)."""
+        steps = state["last_epoch"]
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR cannot step past it
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(min(steps, total) if total else steps):
+                self.scheduler.step()
+
+
 class Parts(NamedTuple):
     """What training changes, and a checkpoint saves and restores."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    schedule: Schedule
     scaler: torch.amp.GradScaler  # float16's loss scale; disabled (a no-op) for other precisions
-
-
-@dataclass
-class Run:
-    """What the functions of one run share: where this process stands, the checked settings, the
-    data, and where results go. `logger` is None on every process but the main one."""
-
-    process: Process
-    settings: Settings
-    data: Data
-    logger: MetricsLogger | None = None
-    checkpointer: Checkpointer | None = None
-    hooks: Hooks = field(default_factory=Hooks)
-    run_dir: Path | None = None
-
-    @property
-    def trainer(self) -> Trainer:
-        return self.settings.trainer
-
-    @property
-    def task(self) -> Task:
-        return self.settings.task

@@ -4,14 +4,16 @@ backward, step), on this rank's share of a global batch, its loss a mean over th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.engine import fsdp
-from src.engine.core.state import Parts, Run
-from src.engine.distributed import Process, local_gradients
+from src.engine.core.context import Run
+from src.engine.core.state import Parts
 from src.engine.errors import UserError
+from src.engine.parallel import Process
 
 # A global batch as the data gives it: this rank's inputs and targets, and the global batch's size.
 Batch = tuple[torch.Tensor, torch.Tensor, int]
@@ -27,7 +29,7 @@ def train_step(
     however unevenly the terms fall. Returns this rank's part of that mean and the gradients'
     norm before clipping (when `gradient_clip_val` clips or `measure_norm` asks; else None)."""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
-    task, process, trainer = run.task, run.process, run.trainer
+    task, process, trainer, strategy = run.task, run.process, run.trainer, run.strategy
     inputs, targets, global_size = batch
     optimizer.zero_grad(set_to_none=True)
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
@@ -38,8 +40,8 @@ def train_step(
     per_rank = (count.to(trainer.dtype) if torch.is_tensor(count) else count) / process.world_size
     losses = []
     for i, (x, y) in enumerate(pieces):
-        # DDP and FSDP reduce in the backward of the last micro-batch only, the sum of them all.
-        with local_gradients(model, process, local=i < len(pieces) - 1):
+        # The ranks reduce in the backward of the last micro-batch only, the sum of them all.
+        with strategy.no_sync(model) if i < len(pieces) - 1 else nullcontext():
             with trainer.autocast(process.device):
                 loss = task.loss(model(x), x, y) / per_rank
             scaler.scale(loss).backward()
@@ -48,7 +50,7 @@ def train_step(
     if trainer.gradient_clip_val is not None or measure_norm:
         scaler.unscale_(optimizer)  # the true gradients (float16's scaler multiplied them)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = fsdp.full(nn.utils.get_total_norm(grads))  # FSDP: of all the shards
+        grad_norm = strategy.full(nn.utils.get_total_norm(grads))  # of all the shards
         if trainer.gradient_clip_val is not None:
             nn.utils.clip_grads_with_norm_(model.parameters(), trainer.gradient_clip_val, grad_norm)
     scaler.step(optimizer)  # float16: skipped when a gradient is not finite, then a lower scale

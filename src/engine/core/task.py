@@ -29,9 +29,12 @@ for targets the task cannot take) and `captions(outputs, targets, class_names)` 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 import torch
+
+from src.engine.errors import UserError, first_line
 
 
 class Task(Protocol):
@@ -50,3 +53,51 @@ class Task(Protocol):
     ) -> dict[str, Any]: ...
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+# What PyTorch says when a layer does not fit its input: mat1 and mat2 shapes cannot be
+# multiplied, expected input[2, 1, 28, 28] to have 3 channels, size mismatch, an embedding's
+# index out of range or float indices, a view's shape invalid for the input's size.
+MISFIT = re.compile(
+    r"shape|size|dimension|channels|expected (\d+D )?input|out of range|scalar type|dtype", re.I
+)
+
+
+def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -> None:
+    """Before any training, on two training samples: the model takes the data's samples, and
+    the task takes the model's outputs and the data's targets. One sentence where either does
+    not, on every rank at once (each checks the same samples), before anything is written."""
+    raw, targets = data.sample("train", 2)
+    inputs = data.normalise(raw)
+    training = model.training
+    model.eval()  # no BatchNorm statistics updated, no dropout drawn
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except (RuntimeError, IndexError, ValueError) as err:
+        detail = first_line(err)
+        if not MISFIT.search(detail):  # a bug in the model: its traceback, the shapes beside it
+            err.add_note(f"(a batch of {tuple(inputs.shape)} {inputs.dtype} inputs, model={name})")
+            raise
+        remedy = (
+            "Make the tensors its forward creates in the input's dtype (dtype=x.dtype), or "
+            "train in trainer.precision=32"
+            if inputs.dtype == torch.float64 and "dtype" in detail
+            else "Give the model the data's shape and dtype (in_channels, image_size, "
+            "num_classes or input_shape: null takes the data's)"
+        )
+        raise UserError(
+            f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "
+            f"{inputs.dtype} inputs stopped it with: {detail}. {remedy}."
+        ) from None
+    finally:
+        model.train(training)
+    if check := getattr(task, "check", None):
+        check(outputs, inputs, targets)
+    loss = task.loss(outputs, inputs, targets)
+    if not (torch.is_tensor(loss) and loss.ndim == 0):
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise UserError(
+            f"The task's loss of a batch is {shape}, not a scalar: return the sum over the "
+            "batch's terms (reduction='sum'); the engine divides it by the global count."
+        )

@@ -7,17 +7,15 @@ save): then the ranks agree, in the check's one all-reduce, on whether any of th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from hydra.errors import CompactHydraException
 from torch import nn
 
-from src.engine import fsdp
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Progress, Run
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Progress
 from src.engine.core.step import global_count, nothing_counted
-from src.engine.distributed import unwrap
 
 
 class NonFiniteLoss(CompactHydraException):
@@ -40,7 +38,10 @@ class NonFinite(Hook):
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         self.first_bad = steps[bad[0].item()] if len(bad) else None
         self.losses = []
-        broken = weights is not None and not finite(unwrap(weights).state_dict().values())
+        strategy = run.strategy
+        broken = weights is not None and not finite(
+            strategy.unwrap(weights).state_dict().values(), strategy.local
+        )
         return [self.first_bad is not None, broken]
 
     def agreed(
@@ -70,11 +71,11 @@ class UnwrittenMetrics(Hook):
             raise run.checkpointer.stopped(fault, progress.step)
 
 
-def finite(tensors: Iterable[torch.Tensor]) -> bool:
+def finite(tensors: Iterable[torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """Whether every floating-point tensor (parameters, and buffers such as BatchNorm's running
     statistics) is free of NaN and infinity; one device sync for them all, not one each. Of a
     sharded tensor, this rank's part (the ranks then agree on the whole)."""
-    checks = [fsdp.local(t).isfinite().all() for t in tensors if t.is_floating_point()]
+    checks = [local(t).isfinite().all() for t in tensors if t.is_floating_point()]
     return not checks or bool(torch.stack(checks).all())
 
 

@@ -31,12 +31,12 @@ import torch
 from hydra.errors import CompactHydraException
 from torch import nn
 
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Parts, Progress, Run
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Parts, Progress
 from src.engine.data import Data, labels_of
-from src.engine.distributed import Process, unwrap
 from src.engine.errors import UserError
 from src.engine.guards.checks import intact
+from src.engine.parallel import Process
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
 
@@ -180,4 +180,4 @@ class DriftGuard(Hook):
             self.in_sync(run, progress, weights)
 
     def in_sync(self, run: Run, progress: Progress, weights: nn.Module) -> None:
-        check_in_sync(unwrap(weights), run.process, progress.step, intact(run))
+        check_in_sync(run.strategy.unwrap(weights), run.process, progress.step, intact(run))

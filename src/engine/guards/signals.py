@@ -15,10 +15,10 @@ from typing import Any, NoReturn
 from torch import nn
 
 from src.engine.checkpoint import Checkpointer
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Parts, Progress, Run
-from src.engine.distributed import Process
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Parts, Progress
 from src.engine.errors import Stopped
+from src.engine.parallel import Process
 
 
 class StopSignals(Hook):

@@ -36,7 +36,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
 from src.engine.errors import Stopped, UserError
-from src.engine.settings import PROCESS_GROUP_MODES
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +48,14 @@ class WorkerFailed(CompactHydraException):
     """A DDP worker failed; the message carries its own error (Hydra prints the message alone)."""
 
 
-def starts_workers_here(cfg: DictConfig) -> bool:
-    """parallel=ddp (or fsdp) started without torchrun: this process launches the workers."""
-    under_torchrun = any(v in os.environ for v in TORCHRUN_VARIABLES)
-    return cfg.parallel.mode in PROCESS_GROUP_MODES and not under_torchrun
+def starts_workers_here(in_group: bool) -> bool:
+    """A mode of a process group (ddp, fsdp) started without torchrun: this process launches
+    the workers."""
+    return in_group and not any(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
-def nproc_per_node(cfg: DictConfig) -> int:
-    """`parallel.nproc_per_node`, or one process per visible GPU, or 2 on a CPU-only machine."""
-    nproc, gpus = cfg.parallel.nproc_per_node, torch.cuda.device_count()
-    if nproc is None:
-        return gpus or 2
-    if nproc > gpus > 0 and cfg.device in ("auto", "cuda"):
-        raise UserError(
-            f"parallel.nproc_per_node={nproc}, but {gpus} GPUs are visible: one process per GPU. "
-            f"Use parallel.nproc_per_node={gpus} or fewer (or device=cpu for CPU processes)."
-        )
-    return nproc
-
-
-def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
-    """Run `train(cfg, run_dir)` in `parallel.nproc_per_node` DDP processes on this machine and
+def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, nproc: int) -> Any:
+    """Run `train(cfg, run_dir)` in `nproc` processes of a process group on this machine and
     return rank 0's result.
 
     The workers get the config already composed and resolved, and this job's run folder, so a
@@ -82,7 +68,6 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     target = importable_name(train)
-    nproc = nproc_per_node(cfg)
     hydra = HydraConfig.get()
     # The workers' error files, in a folder removed after them (torch's own default, a
     # torchelastic_* folder in the temporary directory, is left behind).
@@ -99,7 +84,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> 
         monitor_interval=0.1,
         start_method="spawn",
     )
-    log.info("Starting %d %s processes", nproc, cfg.parallel.mode.upper())
+    log.info("Starting %d processes", nproc)
     args = (
         target,
         OmegaConf.to_container(cfg, resolve=True),
@@ -335,6 +320,24 @@ def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
     else:
         attempt = store.add(f"train.py/attempts/rank{rank}", 1)
     return dist.PrefixStore(f"train.py/attempt{attempt}", store)
+
+
+def shared_run_dir(process: Any, run_dir: Path | None = None) -> Path:
+    """Rank 0's run folder (the one Hydra made, unless given), which every rank uses."""
+    run_dir = str(run_dir or HydraConfig.get().runtime.output_dir)
+    if process.is_main and (anchor := restart_anchor()):
+        anchor.write_text(run_dir)
+    return Path(process.broadcast_object(run_dir))
+
+
+def quiet_logging(rank: int) -> None:
+    """Ranks other than 0 print warnings and errors only, prefixed with their rank."""
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(
+            logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+        )
 
 
 def under_torchrun() -> bool:

@@ -22,36 +22,40 @@ them no two layouts could agree. Randomness of any other kind is one of the caus
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
 import logging
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import field
 from pathlib import Path
 
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.engine import checkpoint, distributed, launch
+from src.engine import checkpoint, launch, parallel
 from src.engine.build import build_model, build_parts, configure_kernels
+from src.engine.checkpoint import Checkpointer
+from src.engine.config import Settings, Trainer, read_settings
+from src.engine.core.context import Hook, Hooks, Run
 from src.engine.core.evaluate import evaluate
-from src.engine.core.state import Run
-from src.engine.core.step import train_step
+from src.engine.core.loop import fit
+from src.engine.core.state import Parts, Progress
 from src.engine.core.task import Task
 from src.engine.data import Data
-from src.engine.distributed import Process
 from src.engine.errors import UserError, first_line, instantiated
 from src.engine.guards import drift
-from src.engine.launch.process import pick_device, setup, teardown
-from src.engine.settings import Settings, Trainer, read_settings
+from src.engine.parallel import Process
+from src.engine.parallel.devices import pick_device
 
 log = logging.getLogger("equivalence")
 
 PRECISIONS = ("64", "train")  # debug.precision: float64, or the config's own
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
 PROCESSES = 2
 # Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
 # last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
@@ -119,9 +123,10 @@ def check(cfg: DictConfig) -> None:
             f"debug.precision={precision}: use 64 (compare in float64) or train (in "
             f"trainer.precision={trainer.precision})."
         )
-    micro = micro_batches(cfg, trainer)
+    group = group_of(cfg, settings)
+    micro = micro_batches(cfg, settings)
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
-    device, mode = "cuda" if gpus else "cpu", "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
+    device, mode = "cuda" if gpus else "cpu", parallel.build(group).name
     in_what = (
         "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
         "the config's own precision)" if precision == "64"
@@ -142,9 +147,9 @@ def check(cfg: DictConfig) -> None:
     if tolerance is None:
         exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
         tolerance = FLOAT64 if trainer.precision == "64" else FLOAT32 if exact else LOWER_PRECISION
-    ddp = layout_config(cfg, device, micro, mode, trainer.precision)
+    processes = layout_config(cfg, device, micro, group, trainer.precision)
     traces = train_layouts(one, chosen, process, data)
-    traces += launch.start_workers(ddp_layouts, ddp)
+    traces += launch.start_workers(group_layouts, processes, PROCESSES)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
     reference = traces[0]
     rows = {name: compare(trace, reference, steps) for name, trace in layouts.items()}
@@ -161,11 +166,23 @@ def check(cfg: DictConfig) -> None:
         return
     model, batch = probe(one, chosen, process, data)
     causes = likely_causes(layouts, rows, differ, model, randomness(model, task, batch, trainer),
-                           ddp.parallel, tolerance)  # fmt: skip
+                           parallel.build(processes.parallel), tolerance)  # fmt: skip
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
         f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
     )
+
+
+def group_of(cfg: DictConfig, settings: Settings) -> DictConfig:
+    """The parallel node of the compared processes: the config's own where its mode is one of a
+    process group, else the mode `debug.parallel` names."""
+    return cfg.parallel if settings.parallel.in_group else preset(cfg.debug.parallel)
+
+
+def preset(mode: str) -> DictConfig:
+    """The keys of the engine's parallel mode `mode` (conf/parallel/<mode>.yaml's start), with
+    the class that trains it."""
+    return ConfigStore.instance().load(f"schema/parallel/{mode}.yaml").node
 
 
 def compared(
@@ -176,7 +193,7 @@ def compared(
     float64 was not used, where it was asked for."""
 
     def set_up(precision: str | None) -> tuple[DictConfig, Settings, Data]:
-        one = layout_config(cfg, device, micro, "none", precision)
+        one = layout_config(cfg, device, micro, preset("none"), precision)
         settings = read_settings(one)
         configure_kernels(settings.trainer)
         data = instantiated("data", one.data)
@@ -205,9 +222,10 @@ def float64_fails(
     return None
 
 
-def micro_batches(cfg: DictConfig, trainer: Trainer) -> int | None:
+def micro_batches(cfg: DictConfig, settings: Settings) -> int | None:
     """The micro-batches of the accumulation layouts: the user's own accumulation, else 2; None
-    where a process's share does not split that far, or DDP's static_graph refuses it."""
+    where a process's share does not split that far, or the processes' mode refuses it."""
+    trainer = settings.trainer
     micro = trainer.accumulate_grad_batches if trainer.accumulate_grad_batches > 1 else 2
     if cfg.data.batch_size % PROCESSES:
         raise UserError(
@@ -217,8 +235,13 @@ def micro_batches(cfg: DictConfig, trainer: Trainer) -> int | None:
         )
     if cfg.data.batch_size // PROCESSES < micro:
         return None
-    if cfg.parallel.mode == "ddp" and cfg.parallel.static_graph:
-        log.info("No micro-batch layouts: parallel.static_graph=true cannot accumulate.")
+    accumulating = dataclasses.replace(trainer, accumulate_grad_batches=micro)
+    try:  # static_graph=true cannot accumulate, for one
+        parallel.build(group_of(cfg, settings)).check(
+            dataclasses.replace(settings, trainer=accumulating)
+        )
+    except UserError as err:
+        log.info("No micro-batch layouts: %s", err)
         return None
     return micro
 
@@ -233,35 +256,34 @@ def layout_names(micro: int | None, mode: str = "ddp") -> list[str]:
 
 
 def layout_config(
-    cfg: DictConfig, device: str, micro: int | None, mode: str, precision: str | None = None
+    cfg: DictConfig, device: str, micro: int | None, mode: DictConfig, precision: str | None = None
 ) -> DictConfig:
-    """The user's config on `device`, in one process (`mode=none`) or 2 DDP (FSDP) processes,
-    with their own settings of that mode if they chose it, the layouts' micro-batches, and
-    `precision` for trainer.precision (None: the config's)."""
+    """The user's config on `device`, trained as the parallel node `mode` says (in 2 processes
+    where it is one of a group), with the layouts' micro-batches, and `precision` for
+    trainer.precision (None: the config's)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     if precision is not None:
         config["trainer"]["precision"] = precision
-    parallel = OmegaConf.load(CONF / "parallel" / f"{mode}.yaml")
-    if mode != "none" and cfg.parallel.mode == mode:
-        parallel = OmegaConf.merge(parallel, cfg.parallel)
-    parallel.nproc_per_node = PROCESSES if mode != "none" else None
-    config.update(device=device, parallel=OmegaConf.to_container(parallel))
+    config["parallel"] = OmegaConf.to_container(mode, resolve=True)
+    if parallel.build(mode).in_group:
+        config["parallel"]["nproc_per_node"] = PROCESSES
+    config.update(device=device)
     config["debug"]["micro_batches"] = micro
     return OmegaConf.create(config)
 
 
-def ddp_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
-    """One DDP process (started by `launch.start_workers`): its layouts' traces."""
+def group_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
+    """One process of the group (started by `launch.start_workers`): its layouts' traces."""
     settings = read_settings(cfg)
     trainer = settings.trainer
     configure_kernels(trainer)
-    process = setup(settings.parallel, trainer)
+    process = settings.parallel.setup(settings.device, trainer)
     try:
         data = instantiated("data", cfg.data)
         data.setup(process, trainer.dtype, trainer.memory_format)
         return train_layouts(cfg, settings, process, data)
     finally:
-        teardown()
+        parallel.teardown()
 
 
 def train_layouts(cfg: DictConfig, settings: Settings, process: Process, data: Data) -> list[Trace]:
@@ -277,24 +299,25 @@ def train_layouts(cfg: DictConfig, settings: Settings, process: Process, data: D
 
 
 def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
-    """Train `debug.steps` steps as the training loop does (the schedule stepping per step or per
-    epoch), watching what makes layouts differ; evaluate the weights it ends with."""
-    trainer, process, data = run.trainer, run.process, run.data
+    """Train `debug.steps` steps with the training loop itself (its step, its schedule, its
+    validations), watching what makes layouts differ; evaluate the weights it ends with."""
+    steps, strategy, data = cfg.debug.steps, run.strategy, run.data
     model = build_model(cfg, run, weights)
-    parts = build_parts(cfg, run, model, None)
-    model.train()
-    dropout_off(model)
+    dropouts_off(strategy.unwrap(model))
+    parts, progress, _ = build_parts(cfg, run, model, None)  # the schedule planned as configured
     trace = Trace()
+    # Only debug.steps of it, whatever the config's epochs, a check after each step, no file.
+    epochs = max(run.trainer.epochs, math.ceil(steps / data.steps_per_epoch))
+    trainer = dataclasses.replace(run.trainer, epochs=epochs, max_steps=steps, test_weights="last",
+                                  log_every_n_steps=1, early_stopping_patience=None)  # fmt: skip
+    policy = dataclasses.replace(run.settings.checkpoint, save=False)
+    fitting = dataclasses.replace(
+        run, settings=dataclasses.replace(run.settings, trainer=trainer, checkpoint=policy),
+        hooks=Hooks([Watcher(trace)]),
+    )  # fmt: skip
+    fitting.checkpointer = Checkpointer(policy, Path.cwd(), run.process, strategy, {}, {})
     try:
-        steps = itertools.islice(batches(data, parts, trainer), cfg.debug.steps)
-        for step, batch in enumerate(steps, start=1):
-            loss, _ = train_step(run, parts, batch)
-            if trainer.step_interval:
-                parts.scheduler.step()
-            trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
-            watch_step(trace, distributed.unwrap(model), process, step)
-            if process.mode == "none" and trainer.accumulate_grad_batches == 1:  # the reference
-                watch_gradients(trace, distributed.unwrap(model), parts.optimizer)
+        fit(fitting, parts, progress)
     except RuntimeError as err:
         if DDP_UNUSED_PARAMETERS not in str(err):
             raise
@@ -303,22 +326,48 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
         if data.size(split):
             metrics = evaluate(run, model, split)
             trace.evals[split] = {**metrics, "size": data.size(split)}
-    state = checkpoint.model_state(model)  # under FSDP gathered, onto rank 0
+    state = strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
 
 
-def watch_step(trace: Trace, model: nn.Module, process: Process, step: int) -> None:
-    """After `step`, what makes layouts differ: parameters without a gradient and buffers that
-    differ between the ranks (after the first step), parameters that differ between the ranks."""
-    if step == 1:
-        trace.no_grad = [
-            name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
-    if trace.drifted is None and process.mode != "fsdp":  # FSDP's ranks hold different shards
-        found = drift.differing(process, list(model.named_parameters()))
-        trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+class Watcher(Hook):
+    """After each step of a layout: its loss over the global batch, and what makes layouts differ
+    (parameters without a gradient and buffers the ranks differ in after the first step,
+    parameters the ranks differ in; in the reference, each gradient's size)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace, self.loss = trace, None
+
+    @contextlib.contextmanager
+    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+        self.parts = parts
+        yield
+
+    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+        self.loss = loss
+        model, process = run.strategy.unwrap(self.parts.model), run.process
+        trace, step = self.trace, progress.step
+        if step == 1:
+            trace.no_grad = [
+                name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
+            ]
+            trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
+        if trace.drifted is None and run.strategy.replicated:  # sharded: each rank its own part
+            found = drift.differing(process, list(model.named_parameters()))
+            trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+        if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
+            watch_gradients(trace, model, self.parts.optimizer)
+
+    def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
+        return [] if self.loss is None else [self.loss.item()]
+
+    def agreed(
+        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
+    ) -> None:
+        if sums:  # the first check after a step: the global batch's loss
+            self.trace.losses.append(sums[0] / run.process.world_size)
+            self.loss = None
 
 
 def watch_gradients(trace: Trace, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -332,19 +381,13 @@ def watch_gradients(trace: Trace, model: nn.Module, optimizer: torch.optim.Optim
     trace.adaptive = any(key in ADAPTIVE_STATE for s in optimizer.state.values() for key in s)
 
 
-def batches(data: Data, parts, trainer: Trainer):
-    """The training batches, epoch after epoch; an epoch-interval schedule steps between them."""
-    for epoch in itertools.count(1):
-        yield from data.train_batches(epoch)
-        if not trainer.step_interval:
-            parts.scheduler.step()
-
-
-def dropout_off(model: nn.Module) -> None:
-    """Dropout layers pass everything: each process would draw its own masks."""
-    for module in model.modules():
+def dropouts_off(model: nn.Module) -> None:
+    """Dropout layers become identities: each process would draw its own masks. (Not switched to
+    eval mode, which the loop's model.train() would switch back.)"""
+    for name, module in list(model.named_modules()):
         if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.eval()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, nn.Identity())
 
 
 @dataclasses.dataclass
@@ -433,7 +476,7 @@ def likely_causes(
     differ: list[str],
     model: nn.Module,
     randomness: tuple[bool, bool],
-    parallel: DictConfig,
+    strategy: parallel.Strategy,
     tolerance: float = FLOAT32,
 ) -> list[str]:
     """What could make the layouts `differ`, from what the runs and their `rows` (differences
@@ -445,7 +488,7 @@ def likely_causes(
         if failed := layouts[name].failed:
             failures.setdefault(failed, []).append(name)
     causes = [f"{' and '.join(names)} stopped at {failed}" for failed, names in failures.items()]
-    if reference.no_grad and not parallel.find_unused_parameters:
+    if reference.no_grad and not getattr(strategy, "find_unused_parameters", False):
         causes.append(
             f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
             "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
@@ -453,7 +496,7 @@ def likely_causes(
         )
     norms = [name for name, m in model.named_modules() if is_batch_norm(m)]
     if norms:
-        causes.append(batch_norm_cause(norms, differ, parallel.sync_batchnorm))
+        causes.append(batch_norm_cause(norms, differ, strategy.sync_batchnorm))
     ddp_buffers = {b for name in differ for b in layouts[name].rank_buffers}
     others = sorted(b for b in ddp_buffers if not b.startswith(tuple(f"{n}." for n in norms)))
     if others:
@@ -574,9 +617,10 @@ def probe(
 ) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
     weights = checkpoint.find_weights(settings, process)
-    model = build_model(cfg, Run(process, settings, data), weights)
+    run = Run(process, settings, data)
+    model = build_model(cfg, run, weights)
     model.train()
-    dropout_off(model)
+    dropouts_off(run.strategy.unwrap(model))
     return model, next(data.train_batches(1))
 
 

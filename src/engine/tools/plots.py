@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from src.engine import storage
+from src.engine.core.task import Task
 from src.engine.data import Data
 from src.engine.logger import logged, measured
-from src.tasks import Task
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

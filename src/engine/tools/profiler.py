@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Parts, Progress, Run
-from src.engine.distributed import Process
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Parts, Progress
+from src.engine.parallel import Process
 
 
 class Profiler(Hook):

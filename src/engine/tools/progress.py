@@ -8,8 +8,8 @@ import threading
 import torch
 from tqdm import tqdm
 
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Progress, Run
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Progress
 
 # One process draws the bar. tqdm's default lock is a multiprocessing one, for bars of several
 # processes on one terminal; in a spawned DDP worker, which ends without the interpreter's

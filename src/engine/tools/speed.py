@@ -6,14 +6,13 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 
 import torch
 
-from src.engine import fsdp
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Parts, Progress, Run
+from src.engine.core.context import Hook, Run
+from src.engine.core.state import Parts, Progress
 from src.engine.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class Speed(Hook):
         images = min(progress.epoch_step * data.batch_size, data.size("train"))
         images -= self.first_step * data.batch_size
         speed = throughput(self.started, images, run.process.device)
-        speed["memory/state_mb"] = state_mb(self.parts)
+        speed["memory/state_mb"] = state_mb(self.parts, run.strategy.local)
         log_speed(speed, progress, run.logger)
 
 
@@ -57,13 +56,13 @@ def throughput(started: float, images: int, device: torch.device) -> dict[str, f
     return speed
 
 
-def state_mb(parts: Parts) -> float:
+def state_mb(parts: Parts, local: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """MiB of this rank's weights, gradients and optimizer state: the tensors themselves, which
     FSDP shards over the ranks (1/N on each) and every other mode holds whole."""
     parameters = list(parts.model.parameters())
     grads = [p.grad for p in parameters if p.grad is not None]
     moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    tensors = (fsdp.local(t) for t in chain(parameters, grads, moments))
+    tensors = (local(t) for t in chain(parameters, grads, moments))
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 

@@ -20,10 +20,10 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from src.engine.config import checkpoint_mode_of
 from src.engine.core.state import Best
 from src.engine.errors import UserError
 from src.engine.logger import measured
-from src.engine.settings import checkpoint_mode_of
 
 # summary.csv's columns: these, then the jobs' test metrics, then LAST.
 FIRST = ["job", "overrides", "monitor", "best", "best_epoch"]

@@ -13,11 +13,10 @@ from itertools import chain, islice
 import torch
 
 from src.engine import checkpoint
+from src.engine.core.context import Hook, Run
 from src.engine.core.evaluate import evaluate
-from src.engine.core.hooks import Hook
-from src.engine.core.state import Parts, Progress, Run
+from src.engine.core.state import Parts, Progress
 from src.engine.core.step import train_step
-from src.engine.distributed import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,8 @@ def warm_up(run: Run, parts: Parts, step: int) -> None:
     started = time.perf_counter()
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     data, process, trainer = run.data, run.process, run.trainer
-    saved = copy.deepcopy((unwrap(model).state_dict(), optimizer.state_dict(), scaler.state_dict()))
+    plain = run.strategy.unwrap(model)
+    saved = copy.deepcopy((plain.state_dict(), optimizer.state_dict(), scaler.state_dict()))
     generators = checkpoint.rng_state()
     # Each batch shape at least twice: CUDA graph trees run a new graph once, then record it.
     steps, last = min(max(trainer.warmup_steps, 2), data.steps_per_epoch), data.steps_per_epoch - 1
@@ -55,7 +55,7 @@ def warm_up(run: Run, parts: Parts, step: int) -> None:
     for batch in batches:
         train_step(run, parts, batch)
     evaluate(run, model, "val" if data.size("val") else "test")  # its metrics dropped
-    unwrap(model).load_state_dict(saved[0])
+    plain.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     scaler.load_state_dict(saved[2])
     checkpoint.set_rng_state(generators)

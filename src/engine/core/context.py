@@ -1,5 +1,6 @@
-"""The named points where the guards and the tools plug into the loop, and the one all-reduce
-they share.
+"""The run's context (`Run`: what every function of a run shares and does not change), and the
+named points where the guards and the tools plug into the loop, with the one all-reduce they
+share.
 
 The loop calls its hooks, in order, at these points and nowhere else:
 
@@ -19,13 +20,20 @@ The loop calls its hooks, in order, at these points and nowhere else:
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import TYPE_CHECKING, NoReturn
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from src.engine.core.state import Parts, Progress, Run
+from src.engine.checkpoint import Checkpointer
+from src.engine.config import Settings, Trainer
+from src.engine.core.state import Parts, Progress
+from src.engine.core.task import Task
+from src.engine.data import Data
+from src.engine.logger import MetricsLogger
+from src.engine.parallel import Process, Strategy
 
 
 class Hook:
@@ -95,3 +103,30 @@ class Hooks(list[Hook]):
     def stopping(self, run: Run) -> Hook | None:
         """The first hook that asks training to stop after this step, if any."""
         return next((hook for hook in self if hook.wants_stop(run)), None)
+
+
+@dataclass
+class Run:
+    """What the functions of one run share: where this process stands, the checked settings (the
+    strategy of its parallel mode among them), the data, and where results go, with the hooks the
+    loop calls. `logger` is None on every process but the main one."""
+
+    process: Process
+    settings: Settings
+    data: Data
+    logger: MetricsLogger | None = None
+    checkpointer: Checkpointer | None = None
+    hooks: Hooks = field(default_factory=Hooks)
+    run_dir: Path | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        return self.settings.trainer
+
+    @property
+    def task(self) -> Task:
+        return self.settings.task
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.settings.parallel

@@ -15,8 +15,11 @@ every process of every other mode would otherwise pay at start.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,103 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from src.engine.errors import UserError
+from src.engine.parallel import Process, compiled
+from src.engine.parallel.group import GroupStrategy
+
+
+@dataclass
+class FSDP(GroupStrategy):
+    """FSDP2's `fully_shard` over the ranks: each holds 1/N of the weights, the gradients and the
+    optimizer state, and gathers a unit's weights for its forward and backward only."""
+
+    name: ClassVar[str] = "fsdp"
+    replicated: ClassVar[bool] = False
+    even_eval: ClassVar[bool] = True
+    shards_checkpoints: ClassVar[bool] = True
+    # Module classes (by name) sharded as units of their own; the rest of the model is one more.
+    shard_modules: list[str] = field(default_factory=lambda: ["Linear", "Conv2d"])
+    # Free a unit's gathered weights after its forward and gather them again for the backward
+    # (less memory, more communication).
+    reshard_after_forward: bool = True
+    find_unused_parameters: bool = False  # DDP's: true is refused here (FSDP needs no search)
+
+    def __post_init__(self) -> None:
+        if self.sync_batchnorm:
+            raise UserError(
+                "parallel.sync_batchnorm=true is DDP's: parallel=fsdp normalises each rank's "
+                "share by its own statistics. Use parallel=ddp for SyncBatchNorm, or leave it "
+                "false."
+            )
+        if self.find_unused_parameters:
+            raise UserError(
+                "parallel.find_unused_parameters=true is DDP's: FSDP needs no search for "
+                "parameters without a gradient. Leave it false with parallel=fsdp."
+            )
+        super().__post_init__()
+
+    def check(self, settings: Any) -> None:
+        super().check(settings)
+        if settings.trainer.channels_last:
+            raise UserError(
+                "trainer.channels_last=true with parallel=fsdp: this torch's FSDP shards "
+                "contiguous parameters only, and channels-last convolution weights are not. Use "
+                "parallel=ddp for channels-last, or trainer.channels_last=false."
+            )
+
+    def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
+        """Sharded, then compiled around FSDP's hooks (which gather each unit's weights)."""
+        device = next(model.parameters()).device
+        units, dtype = list(self.shard_modules), trainer.autocast_dtype
+        return compiled(shard(model, units, self.reshard_after_forward, dtype, device), trainer)
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model = self.unwrap(model)
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+        """Each rank sees a part of the gradients: this scaler agrees with the others on
+        overflows. (Imported here: 0.5 s, which no other mode pays.)"""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, enabled=enabled)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model_state(self.unwrap(model))
+
+    def load_model_state(
+        self, model: nn.Module, state: dict[str, torch.Tensor], process: Process
+    ) -> None:
+        load_model_state(self.unwrap(model), state, process.is_main)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer_state(self.unwrap(model), optimizer)
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        load_optimizer_state(self.unwrap(model), optimizer, state)
+
+    def save_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+        save_sharded(self.unwrap(model), optimizer, folder)
+
+    def load_shards(
+        self, model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        load_sharded(self.unwrap(model), folder, optimizer)
+
+    def saved_tensors(self, folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return saved_tensors(folder)
 
 
 def shard(
@@ -60,24 +160,9 @@ def shard(
     return fully_shard(model, mp_policy=low, **options)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
-    return module is not None and isinstance(model, module.FSDPModule)
-
-
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor); any other tensor as it is."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a DTensor (a collective: every rank calls it), or the tensor as it is."""
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def _gathered_on_rank_0() -> Any:

@@ -1,0 +1,245 @@
+"""The parallel modes: one strategy each, behind the protocol of `Strategy`, and the `Process` a
+strategy sets up (this rank: its device and its collectives).
+
+A strategy is a dataclass whose fields are its mode's keys, which `conf/parallel/<mode>.yaml`
+sets and names by `_target_`. Whatever differs between modes is one of its methods, so the loop,
+the checkpoint and the data ask it and never the mode's name. `Strategy` itself is one process on
+one device (`parallel=none`); every other mode overrides what it changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from hydra.utils import get_class
+from torch import nn
+
+from src.engine.errors import UserError, first_line, typed, where
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Process:
+    """Where this process stands: its rank among the ranks of a process group (if any), its
+    device. The collectives do nothing outside a group."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    in_group: bool = False  # one rank of a process group: the collectives talk to the others
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that logs, writes files and talks to wandb."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """The one process per machine that prepares machine-local things (the dataset files)."""
+        return self.local_rank == 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order; also a barrier."""
+        if not self.in_group:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (the same shape on each), in rank order."""
+        if not self.in_group:
+            return [tensor]
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        if not self.in_group:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Overwrite each tensor, in place, with rank 0's."""
+        for tensor in tensors if self.in_group else ():
+            dist.broadcast(tensor, src=0)
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (in float64, so counts stay exact)."""
+        if not self.in_group:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+
+@dataclass
+class Strategy:
+    """One process on one device (parallel=none), and the protocol every mode answers."""
+
+    name: ClassVar[str] = "none"  # how messages and logs call the mode
+    in_group: ClassVar[bool] = False  # a process per device in a process group (torchrun's)
+    replicated: ClassVar[bool] = True  # every rank holds the whole model (the drift guard checks)
+    even_eval: ClassVar[bool] = (
+        False  # every evaluation forward is collective: as many on each rank
+    )
+    shards_checkpoints: ClassVar[bool] = False  # can write checkpoint.sharded=true's shards
+    drift_every: ClassVar[int | str | None] = None  # the drift guard's checks (ddp's key)
+    syncs_batchnorm: ClassVar[bool] = False  # takes parallel.sync_batchnorm=true
+    sync_batchnorm: bool = False  # DDP only (nn.SyncBatchNorm): see conf/parallel/ddp.yaml
+
+    def __post_init__(self) -> None:
+        if self.sync_batchnorm and not self.syncs_batchnorm:
+            raise UserError(
+                "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
+                f"and parallel={self.name} trains in one: use parallel=ddp, or leave it false."
+            )
+
+    def check(self, settings: Any) -> None:
+        """Refuse, in one sentence, what this mode cannot do with the other sections' settings."""
+        if settings.checkpoint.sharded and not self.shards_checkpoints:
+            raise UserError(
+                "checkpoint.sharded=true writes each FSDP rank's shards, and parallel="
+                f"{self.name} holds whole weights: use parallel=fsdp, or leave it false."
+            )
+
+    def setup(self, device: str, trainer: Any) -> Process:
+        """This process, on `device` (auto: the best this machine has)."""
+        from src.engine.parallel.devices import one_device
+
+        return Process(device=one_device(device, trainer, self.name))
+
+    def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
+        """The model as this mode trains it (compiled where `trainer.compile` asks)."""
+        return compiled(model, trainer)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside what `wrap` made of it."""
+        return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+
+    def evaluated(self, model: nn.Module) -> nn.Module:
+        """The model each rank evaluates its share of a split with."""
+        return model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        """Backward passes that keep this rank's gradients to itself: the micro-batches before
+        the last of an accumulated step."""
+        return nullcontext()
+
+    def scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+        """float16's loss scaler (disabled: a no-op)."""
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+
+    def seed(self, seed: int) -> None:
+        """Seed what this mode draws random numbers on beyond the default generators."""
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a sharded tensor; any other tensor as it is."""
+        return tensor
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole of a sharded tensor (a collective); any other tensor as it is."""
+        return tensor
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The plain model's whole `state_dict` (on the main process; every rank calls it)."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state(
+        self, model: nn.Module, state: dict[str, torch.Tensor], process: Process
+    ) -> None:
+        """Load the whole `state_dict` the main process holds ({} on the others) on every rank."""
+        model = self.unwrap(model)
+        if process.is_main:
+            model.load_state_dict(state)
+        process.broadcast_tensors(model.state_dict().values())
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """`optimizer.state_dict()` as one process's optimizer holds it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+    def save_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+        """checkpoint.sharded=true: each rank writes its shards into `folder`."""
+        raise NotImplementedError(f"parallel={self.name} writes no shards")
+
+    def load_shards(
+        self, model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        raise NotImplementedError(f"parallel={self.name} reads no shards")
+
+    def saved_tensors(self, folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The model's tensors the shards in `folder` hold: each one's whole shape and dtype."""
+        raise NotImplementedError(f"parallel={self.name} reads no shards")
+
+
+# What the loop, the checkpoint and the launcher call: a class that lacks one is refused.
+PROTOCOL = tuple(
+    name
+    for name, value in vars(Strategy).items()
+    if not name.startswith("_") and (callable(value) or name in Strategy.__annotations__)
+)
+
+
+def build(node: Any) -> Strategy:
+    """The strategy a `parallel:` node names by `_target_`, its fields checked by their types."""
+    target = node.get("_target_")
+    try:
+        cls = get_class(target)
+    except Exception as err:  # noqa: BLE001 - hydra wraps what the import raised
+        raise UserError(
+            f"parallel._target_={target} cannot be imported ({first_line(err)}): name a strategy "
+            "class (conf/parallel/ holds the template's).",
+            every_rank=True,
+        ) from None
+    if missing := [name for name in PROTOCOL if not hasattr(cls, name)]:
+        raise UserError(
+            f"parallel: {cls.__name__} ({where(cls)}) has no {', '.join(missing)}: a strategy "
+            "answers the whole protocol of src/engine/parallel/__init__.py; subclass Strategy (or "
+            "the mode it varies) to inherit what it does not change.",
+            every_rank=True,
+        )
+    return typed(cls, node, "parallel", exclude=("_target_",))
+
+
+def strategies() -> list[type[Strategy]]:
+    """The engine's strategies: the one of each module of this package named for its mode."""
+    found = []
+    for module in pkgutil.iter_modules(__path__):
+        classes = vars(importlib.import_module(f"{__name__}.{module.name}")).values()
+        found += [c for c in classes if isinstance(c, type) and issubclass(c, Strategy)
+                  and c.__module__.endswith(f".{c.name}")]  # fmt: skip
+    return found
+
+
+def compiled(model: nn.Module, trainer: Any) -> nn.Module:
+    """The model compiled as `trainer.compile` asks."""
+    if not trainer.compile:
+        return model
+    mode = None if trainer.compile is True else trainer.compile
+    # CUDA graphs record one graph per batch shape: static shapes, each compiled in the warm-up,
+    # rather than a dynamic-shape recompile inside the first timed epoch.
+    return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
+
+
+def teardown() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
