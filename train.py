@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from src.engine import launch
-from src.engine.config import read_settings
+from src.engine.build import read_settings
 from src.engine.run import train
 from src.engine.tools import equivalence
 

@@ -27,10 +27,9 @@ from hydra.errors import (
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.engine.build import build_scheduler, check_schedule
-from src.engine.config import read_settings
+from src.engine.build import build_scheduler, check_schedule, instantiated, read_settings, typed
 from src.engine.data import Data
-from src.engine.errors import UserError, instantiated, typed
+from src.engine.errors import UserError
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TESTS, compose_config, offline_env, ok, printed, train
 
-from src.engine.config import read_settings
+from src.engine.build import read_settings
 from src.engine.errors import UserError
 from src.engine.tools import equivalence
 from src.engine.tools.equivalence import Difference, Trace

@@ -500,7 +500,7 @@ def test_a_dataset_class_of_ones_own_needs_only_what_the_readme_says(tmp_path, l
 def test_image_folder_without_a_root_says_what_to_set():
     from conftest import compose_config
 
-    from src.engine.config import read_settings
+    from src.engine.build import read_settings
 
     with pytest.raises(UserError, match=r"data.root has no value: add data.root=... to the "):
         read_settings(compose_config("data=image_folder"))

@@ -23,9 +23,9 @@ LAYERS = [
     ["core"],
     ["fork"],
     ["guards"],
-    ["build"],
     ["tools"],
-    ["run"],
+    ["build"],
+    ["run", "entry"],
 ]
 LAYER = {part: number for number, parts in enumerate(LAYERS) for part in parts}
 # Where the composed config is read: the top of the run (run.py, and build.py for the classes its
@@ -53,6 +53,8 @@ def part(module: str) -> str:
         return "engine"
     if names[1] != "engine":
         return "fork"
+    if module == "src.engine.tools.equivalence":  # an entry point, as run.py: train.py calls it
+        return "entry"
     return names[2] if len(names) > 2 else "engine"
 
 

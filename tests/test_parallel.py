@@ -7,6 +7,7 @@ import pytest
 from conftest import TESTS, compose_config, last, offline_env, ok, train
 
 from src.engine import checkpoint, parallel
+from src.engine.build import build_strategy
 from src.engine.errors import UserError
 from src.engine.parallel.ddp import DDP
 from src.engine.parallel.none import Single
@@ -19,7 +20,7 @@ def test_each_mode_is_a_strategy_of_its_own_module():
     found = {cls.name: cls for cls in parallel.strategies()}
     assert set(found) == {"none", "dp", "ddp", "fsdp"}
     assert all(cls.__module__ == f"src.engine.parallel.{name}" for name, cls in found.items())
-    assert isinstance(parallel.build({"_target_": "src.engine.parallel.none.Single"}), Single)
+    assert isinstance(build_strategy({"_target_": "src.engine.parallel.none.Single"}), Single)
 
 
 @pytest.mark.unit
@@ -27,7 +28,7 @@ def test_a_forks_mode_starts_from_the_one_it_varies(monkeypatch):
     """tests/conf/parallel/hooked_ddp.yaml: ddp's keys and defaults, its class, its own key."""
     monkeypatch.syspath_prepend(TESTS)
     cfg = compose_config(FORK, "parallel=hooked_ddp", "parallel.timeout=60")
-    strategy = parallel.build(cfg.parallel)
+    strategy = build_strategy(cfg.parallel)
     assert type(strategy).__name__ == "HookedDDP" and isinstance(strategy, DDP)
     assert (strategy.timeout, strategy.bucket_cap_mb, strategy.announce) == (60, 25, True)
     assert strategy.in_group and strategy.name == "hooked_ddp"
@@ -49,7 +50,7 @@ def test_a_mode_added_wrongly_is_one_sentence_naming_its_file(monkeypatch, targe
     monkeypatch.syspath_prepend(TESTS)
     monkeypatch.chdir(TESTS + "/..")
     with pytest.raises(UserError, match=message):
-        parallel.build({"_target_": target, "hook": "fp16"})
+        build_strategy({"_target_": target, "hook": "fp16"})
 
 
 def test_a_mode_added_wrongly_stops_the_run_before_it_trains(tmp_path, tiny_data):

@@ -35,8 +35,7 @@ from conftest import (
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from src.engine.build import build_model
-from src.engine.config import read_settings
+from src.engine.build import build_model, read_settings
 from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.state import Parts

@@ -1,12 +1,12 @@
-"""Checkpoints: the run's parts, each saving and loading its own state, in one file written
-atomically by the main process.
+"""Checkpoints: the run's parts, each saving and loading its own state, in one file that the main
+process writes atomically.
 
-A part is anything with `state_dict()` and `load_state_dict()` (the `Stateful` protocol of
-`torch.distributed.checkpoint`): the model's weights, the optimizer, the schedule, the loss
-scaler, the progress, the random state, and a task that keeps state of its own. The file is
-`{name: part.state_dict()}`, with the config it was trained with and its wandb run: tensors and
-plain Python values only, so `torch.load(weights_only=True)` reads it in anyone's code. The
-weights are the plain model's `state_dict` (no `module.` prefix): they load into every mode.
+A part has `state_dict()` and `load_state_dict()` (the `Stateful` protocol of
+`torch.distributed.checkpoint`): the model's weights, the optimizer, the schedule, the loss scaler,
+the progress, the random state, and a task that keeps state of its own. The file is
+`{name: part.state_dict()}` with the config and the wandb run: tensors and plain values only, so
+`torch.load(weights_only=True)` reads it anywhere, and the plain model's weights load into every
+mode.
 """
 
 from __future__ import annotations
@@ -31,21 +31,20 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from src.engine import storage
 from src.engine.config import Checkpointing, Settings
-from src.engine.errors import UserError
+from src.engine.errors import UserError, first_line, where
 from src.engine.parallel import Process, Strategy
 
 log = logging.getLogger(__name__)
 
-# What wrappers prepend to parameter names: DataParallel/DDP, and torch.compile.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DataParallel/DDP and torch.compile prepend
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
-SHARDS = "shards"  # checkpoint.sharded=true: the folder beside the file with the model's and the
-SHARDED = ("model", "optimizer")  # optimizer's shards, which the file holds instead of them
+# checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
+SHARDS, SHARDED = "shards", ("model", "optimizer")
 
 
 class Weights:
-    """The model's part: its plain `state_dict`, whole (gathered from the ranks' shards where a
-    mode shards it), loaded into the model before it is wrapped."""
+    """The model's part: the plain model's whole `state_dict` (gathered where a mode shards it),
+    loaded, checked, into the model before it is wrapped."""
 
     def __init__(self, model: nn.Module, strategy: Strategy, path: Path | str = "the checkpoint"):
         self.model, self.strategy, self.path = model, strategy, path
@@ -54,13 +53,12 @@ class Weights:
         return self.strategy.model_state(self.model)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights saved from any wrapper into the plain model, checked first."""
         self.model.load_state_dict(checked_weights(self.model, self.path, state))
 
 
 class OptimizerState:
-    """The optimizer's part: its moments continue from the checkpoint, its settings (lr,
-    momentum, betas, ...) stay this config's."""
+    """The optimizer's part: its moments continue, its settings (lr, betas, ...) stay this
+    config's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, strategy: Strategy):
         self.optimizer, self.model, self.strategy = optimizer, model, strategy
@@ -69,17 +67,17 @@ class OptimizerState:
         return self.strategy.optimizer_state(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        chosen = [{k: v for k, v in group.items() if k != "params"}
-                  for group in self.optimizer.param_groups]  # fmt: skip
+        groups = self.optimizer.param_groups
+        chosen = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         self.strategy.load_optimizer_state(self.model, self.optimizer, state)
         for group, fresh in zip(self.optimizer.param_groups, chosen, strict=True):
-            group.pop("initial_lr", None)  # the schedule's start: this config's lr, when built
+            group.pop("initial_lr", None)  # the saved schedule's start: this config's is in fresh
             group.update(fresh)
 
 
 class RandomState:
-    """Every rank's random generators (Python, NumPy, torch's CPU and CUDA ones): dropout draws
-    its own masks on each rank, so each rank continues its own stream."""
+    """Every rank's random generators: dropout draws its own masks on each rank, so each rank
+    continues its own stream (with another number of ranks, they start afresh)."""
 
     def __init__(self, process: Process):
         self.process, self.continued = process, False
@@ -101,26 +99,46 @@ class RandomState:
         self.continued = True
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's random generators (Python, NumPy, torch CPU and CUDA), as plain lists."""
+    numpy = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {
+        "python": random.getstate(),
+        "numpy": (numpy[0], numpy[1].tolist(), *numpy[2:]),
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in cuda],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put the generators back where `rng_state` found them."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        cuda = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+
 def load_parts(parts: dict[str, Any], state: dict[str, Any]) -> None:
-    """Give each part its own state back. An empty one is a part that was off (float16's loss
-    scaler in another precision): the part keeps its fresh state."""
+    """Give each part its own state back; an empty one is a part that was off (float16's scaler
+    in another precision), which keeps its fresh state."""
     for name, part in parts.items():
         if state.get(name):
             part.load_state_dict(state[name])
 
 
 def check_part(name: str, part: Any) -> None:
-    """Before training: a part of a fork's (a task with state) gives a state that a checkpoint can
+    """Before training: a fork's part (a task with state) gives a state that a checkpoint can
     hold and that loads back into it; else one sentence naming its class and file."""
-    from src.engine.errors import first_line, where
-
     about = f"{name} {type(part).__name__} ({where(type(part))})"
     try:
-        state = part.state_dict()
         buffer = io.BytesIO()
-        torch.save(state, buffer)
-        buffer.seek(0)
-        loaded = torch.load(buffer, weights_only=True)
+        torch.save(part.state_dict(), buffer)
+        loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as err:  # noqa: BLE001 - whatever the fork's state holds, told in one line
         raise UserError(
             f"The checkpoint cannot hold the state of {about}: {first_line(err)}. Its "
@@ -136,9 +154,9 @@ def check_part(name: str, part: Any) -> None:
 
 
 class Checkpointer:
-    """What is saved, and when: `last.pt` after every epoch (and every `every_n_steps` steps,
-    and when training stops early), `best.pt` when an epoch's validation is the best so far by
-    `monitor`. With `save=false` nothing is written, but the best epoch is still tracked."""
+    """What is saved, and when: `last.pt` after every epoch (every `every_n_steps` steps too, and
+    when training stops early), `best.pt` when an epoch validates best by `monitor`. With
+    `save=false` nothing is written."""
 
     def __init__(
         self,
@@ -166,15 +184,14 @@ class Checkpointer:
         return bool(self.policy.save and every and step % every == 0)
 
     def epoch_done(self, step: int, improved: bool) -> None:
-        """After an epoch and its validation: `best.pt` if it `improved` on the best, and
-        `last.pt`."""
+        """After an epoch's validation: `best.pt` if it `improved` on the best, and `last.pt`."""
         if not improved:
             self.save(step)
         elif self.policy.save:
             # best.pt first: a kill between the two writes leaves last.pt behind it, and the
             # resumed run redoes this epoch and writes the same best.pt again.
             self._save(self.best, step)
-            self._copy(self.best, self.last, step)
+            self._on_main(lambda: storage.copy_atomically(self.best, self.last), step)
             self.kept = (self.last, step)
 
     def stopped(self, fault: storage.Fault, step: int | None) -> storage.StorageFull:
@@ -182,72 +199,60 @@ class Checkpointer:
         return storage.stopped(fault, self.run_dir, step, self.kept)
 
     def _save(self, path: Path, step: int) -> None:
-        """Write `path` from the main process, atomically; every rank waits for it. A write the
-        storage refused stops every rank, saying what is intact."""
-        names = [name for name in self.parts if not (self.policy.sharded and name in SHARDED)]
-        state = {name: self.parts[name].state_dict() for name in names}  # collectives: every rank
-        if self.policy.sharded:
-            shards, fault = self._save_shards(path)
-            if fault:
-                raise self.stopped(fault, step)
-            state[SHARDS] = shards.name
+        """Write `path` atomically from the main process, every rank waiting (its parts' states
+        are collectives); a refused write stops every rank, saying what is intact."""
+        sharded = self.policy.sharded
+        state = {n: p.state_dict() for n, p in self.parts.items() if not (sharded and n in SHARDED)}
+        if sharded:
+            state[SHARDS] = self._save_shards(path, step).name
 
         def write() -> None:
-            # Not parents=True: a run folder deleted during the run is reported, not made anew.
-            path.parent.mkdir(exist_ok=True)
-            storage.write_atomically(
-                path, lambda file: torch.save({**state, **self.metadata}, file)
-            )
+            path.parent.mkdir(exist_ok=True)  # not parents=True: a deleted run folder is told
+            storage.write_atomically(path, lambda file: torch.save(state | self.metadata, file))
 
-        if fault := storage.on_main(self.process, write, path):
-            raise self.stopped(fault, step)
-        if self.policy.sharded and self.process.is_main:
+        self._on_main(write, step, path)
+        if sharded and self.process.is_main:
             remove_unnamed_shards(path.parent)
 
-    def _copy(self, source: Path, target: Path, step: int) -> None:
-        copied = storage.on_main(self.process, lambda: storage.copy_atomically(source, target))
-        if copied:
-            raise self.stopped(copied, step)
+    def _on_main(self, write: Any, step: int, path: Path | None = None) -> None:
+        if fault := storage.on_main(self.process, write, path):
+            raise self.stopped(fault, step)
 
-    def _save_shards(self, path: Path) -> tuple[Path, storage.Fault | None]:
+    def _save_shards(self, path: Path, step: int) -> Path:
         """checkpoint.sharded=true: every rank writes its shards of the model and the optimizer
-        into a new folder beside `path` (torch.distributed.checkpoint's format), which the file at
-        `path` then names instead of holding them: written after every shard, it replaces the
-        previous file, whose folder stays whole until then. Returns the folder, and the
-        storage's refusal on any rank, on every rank."""
-        process = self.process
+        into a new folder beside `path`, which the file then names; the previous file's folder
+        stays whole until the new file replaces it."""
+        process, model = self.process, self.strategy.unwrap(self.parts["model"].model)
         shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
-        model = self.strategy.unwrap(self.parts["model"].model)
         # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
         # shards' writer takes an unsharded tensor from whichever rank it picks.
         process.broadcast_tensors(model.buffers())
 
-        def make() -> None:  # not parents=True: a run folder deleted meanwhile is reported
+        def make() -> None:  # not parents=True: a run folder deleted meanwhile is told
             path.parent.mkdir(exist_ok=True)
             shards.mkdir(exist_ok=True)
 
-        # The folder first, on every rank, so that no rank waits in the writer's collectives for
-        # one that could not make it.
-        if fault := storage.agree(process, storage.attempt(make, shards)):
-            return shards, fault
-        optimizer = self.parts["optimizer"].optimizer
-
         def write() -> None:
-            self.strategy.save_shards(model, optimizer, shards)
+            self.strategy.save_shards(model, self.parts["optimizer"].optimizer, shards)
 
-        return shards, storage.agree(process, storage.attempt(write, shards))
+        # The folder first, on every rank: no rank waits in the writer's collectives for one
+        # that could not make it.
+        for attempt in (make, write):
+            if fault := storage.agree(process, storage.attempt(attempt, shards)):
+                raise self.stopped(fault, step)
+        return shards
 
     def load_best(self, model: nn.Module) -> None:
-        """Load `checkpoints/best.pt` of the run folder into `model`. Rank 0 reads it (the run
-        folder is rank 0's, which other machines may not see) and every other rank receives its
-        weights."""
-        path, plain, process = self.best, self.strategy.unwrap(model), self.process
-        error, state = None, {}
+        """Load the run folder's best.pt into `model`: rank 0 reads it (the run folder is rank
+        0's, which other machines may not see) and the other ranks receive its weights."""
+        path, process, error, state = self.best, self.process, None, {}
         if process.is_main:
             try:
                 state = _checked(path, weights_only=True)
-                if SHARDS not in state:  # checked, and named as the plain model names them
-                    state["model"] = checked_weights(plain, path, state["model"])
+                if SHARDS not in state:
+                    state["model"] = checked_weights(
+                        self.strategy.unwrap(model), path, state["model"]
+                    )
             except UserError as err:
                 error = str(err)
         if errors := [e for e in process.all_gather_object(error) if e]:
@@ -258,117 +263,56 @@ class Checkpointer:
             self.strategy.load_model_state(model, state.get("model", {}), process)
 
 
-def upgraded(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint written before its parts kept their own state (commit 77da666 and earlier:
-    where training stood as keys of its own) in this layout."""
-    if "progress" in state or "epoch" not in state:
-        return state
-    saved = (state.get("config") or {}).get("data", {}).get("batch_size")
-    keys = ("epoch", "epoch_step", "step", "metrics", "best")
-    progress = {key: state.pop(key) for key in keys if key in state}
-    return {**state, "progress": {**progress, "batch_size": saved}}
-
-
-def shards_named(path: Path) -> str | None:
-    """The shards folder the checkpoint at `path` names (checkpoint.sharded=true), if any; None
-    also for a file that cannot be read, which is reported when it is loaded."""
-    try:
-        state = _read(path)
-    except UserError:
-        return None
-    return state.get(SHARDS) if isinstance(state, dict) else None
-
-
-def remove_unnamed_shards(folder: Path) -> None:
-    """Remove the shard folders that neither last.pt nor best.pt names any more."""
-    named = {shards_named(f) for f in (folder / "last.pt", folder / "best.pt") if f.is_file()}
-    for shards in folder.glob("shards-*"):
-        if shards.name not in named:
-            shutil.rmtree(shards, ignore_errors=True)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators (Python, NumPy, torch CPU and CUDA), as plain lists."""
-    numpy_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
-        "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()]
-        if torch.cuda.is_available()
-        else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Put the generators back where `rng_state` found them."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"] and torch.cuda.is_available():
-        cuda = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
-        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
-
-
-def _copy(source: Path, target: Path) -> None:
-    """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if shards := shards_named(source):
-        shutil.copytree(source.parent / shards, target.parent / shards, dirs_exist_ok=True)
-    storage.copy_atomically(source, target)
+def starting_point(
+    settings: Settings, run_dir: Path, process: Process
+) -> tuple[tuple[Path, dict] | None, tuple[Path, dict] | None]:
+    """The checkpoint training continues from (its path and contents), and the one whose weights
+    the model starts from (that one, init_from, or ckpt_path to evaluate); None: fresh."""
+    resumed = find_resume(settings, run_dir, process)
+    if resumed:  # what this config changes from the checkpoint's: applied, or refused
+        check_changes(resumed[1].get("config"), settings.config, resumed[0])
+    return resumed, resumed or find_weights(settings, process)
 
 
 def find_resume(settings: Settings, run_dir: Path, process: Process) -> tuple[Path, dict] | None:
     """The checkpoint training continues from, and its contents; None to start fresh.
-
-    `resume=auto` takes `checkpoints/last.pt` of the run folder if there is one, a path names a
-    checkpoint, null never resumes. Rank 0 decides, so every rank resumes from the same file.
-    """
+    `resume=auto` takes the run folder's last.pt if there is one; rank 0 decides for all."""
     paths = settings.paths
     if not settings.train or paths.resume is None:
         return None
     path = Path(paths.resume).expanduser()
     if paths.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
-        path = process.broadcast_object(last if last.is_file() else None)
-        if path is None:
+        if (path := process.broadcast_object(last if last.is_file() else None)) is None:
             return None
     log.info("Resuming from %s", path)
     if paths.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
     state = load(path, process, settings.parallel)
     progress = state["progress"]
-    progress["best"] = _best_pt_beside((path, progress["step"]), run_dir, progress.get("best"),
-                                       process)  # fmt: skip
+    progress["best"] = _best_pt_beside(path, progress, run_dir, process)
     return path, state
 
 
 def _best_pt_beside(
-    resumed: tuple[Path, int], run_dir: Path, best: dict[str, Any] | None, process: Process
+    path: Path, progress: dict[str, Any], run_dir: Path, process: Process
 ) -> dict[str, Any] | None:
-    """The record of its best epoch that the `resumed` checkpoint (path, step) holds, with that
-    epoch's best.pt in this run's folder: copied from beside the resumed file when that lies
-    elsewhere. Without a best.pt the record is dropped, and the best so far starts afresh."""
+    """The record of its best epoch that the checkpoint at `path` holds, with that epoch's best.pt
+    in this run's folder (copied from beside `path`); without one, the best starts afresh."""
+    best = progress.get("best")
     if not best or best["epoch"] is None:
         return best
     target, found, fault = run_dir / "checkpoints" / "best.pt", None, None
     if process.is_main:
-        source = resumed[0].parent / "best.pt"
+        source = path.parent / "best.pt"
         if source.is_file() and source.resolve() != target.resolve():
             fault = storage.attempt(lambda: _copy(source, target), target)
-        found = target.is_file()
-        if not found:
-            log.warning(
-                "%s records its best epoch (%d), but no best.pt lies beside it: the best so far "
-                "starts afresh.",
-                resumed[0],
-                best["epoch"],
-            )
+        if not (found := target.is_file()):
+            log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
+                        "so far starts afresh.", path, best["epoch"])  # fmt: skip
     found, fault = process.broadcast_object((found, fault))
     if fault:
-        raise storage.stopped(fault, run_dir, None, resumed)
+        raise storage.stopped(fault, run_dir, None, (path, progress["step"]))
     return best if found else None
 
 
@@ -385,22 +329,16 @@ def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | No
 def load(
     path: Path, process: Process, strategy: Strategy, weights_only: bool = False
 ) -> dict[str, Any]:
-    """A checkpoint of this template, read by every rank into CPU memory.
-
-    Loading copies the weights onto the model's device, and the optimizer places its state by
-    PyTorch's own rule (Adam's `step` counters stay on the CPU, where reading them costs no device
-    sync); a `map_location` of the GPU would keep them there.
-
-    With `weights_only`, a bare `state_dict` (from anyone's `torch.save(model.state_dict())`)
-    is accepted too, as {"model": state_dict}. Unreadable files stop every rank with one sentence.
-    """
+    """A checkpoint of this template, read by every rank into CPU memory (the optimizer then
+    places its state by PyTorch's rule: Adam's step counters stay on the CPU, costing no device
+    sync). With `weights_only`, anyone's bare `state_dict` too. Unreadable files stop every rank
+    with one sentence."""
     error, state = None, None
     try:
         state = _checked(path, weights_only)
     except UserError as err:
         error = str(err)
-    errors = [e for e in process.all_gather_object(error) if e]
-    if errors:
+    if errors := [e for e in process.all_gather_object(error) if e]:
         raise UserError(errors[0])
     if SHARDS in state and not strategy.shards_checkpoints:
         raise UserError(
@@ -411,30 +349,41 @@ def load(
 
 
 def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
-    """The checkpoint at `path`, read into CPU memory; a UserError if it is not one of ours."""
+    """The checkpoint at `path` (upgraded from an older layout), or a UserError."""
     state = _read(path)
-    if weights_only and _is_state_dict(state):
+    tensors = isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())
+    if weights_only and tensors and state:  # anyone's bare state_dict
         state = {"model": state}
+    needed = ("model",) if weights_only else PARTS
     if isinstance(state, dict):
         state = upgraded(state)
-    needed = ("model",) if weights_only else PARTS
-    if isinstance(state, dict) and SHARDS in state:  # checkpoint.sharded=true: beside the file
-        needed = tuple(key for key in needed if key not in SHARDED)
-        state[SHARDS] = str(path.parent / state[SHARDS])
-        if not (Path(state[SHARDS]) / ".metadata").is_file():
-            raise UserError(
-                f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
-                "incomplete: copy that folder beside the file with it, or use an intact "
-                "checkpoint (best.pt is a second one)."
-            )
-    missing = [key for key in needed if not isinstance(state, dict) or key not in state]
-    if missing:
+        if SHARDS in state:  # checkpoint.sharded=true: beside the file
+            needed = tuple(key for key in needed if key not in SHARDED)
+            state[SHARDS] = str(path.parent / state[SHARDS])
+            if not (Path(state[SHARDS]) / ".metadata").is_file():
+                raise UserError(
+                    f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
+                    "incomplete: copy that folder beside the file with it, or use an intact "
+                    "checkpoint (best.pt is a second one)."
+                )
+    if missing := [key for key in needed if not isinstance(state, dict) or key not in state]:
         raise UserError(
             f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
             "Give a last.pt or best.pt from a run folder's checkpoints/"
             + (", or a model's state_dict." if weights_only else ".")
         )
     return state
+
+
+def upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before its parts kept their own state (commit 77da666 and earlier,
+    where training stood in keys of its own) in this layout."""
+    if "progress" in state or "epoch" not in state:
+        return state
+    keys = ("epoch", "epoch_step", "step", "metrics", "best")
+    progress = {key: state.pop(key) for key in keys if key in state}
+    progress["batch_size"] = (state.get("config") or {}).get("data", {}).get("batch_size")
+    return {**state, "progress": progress}
 
 
 def _read(path: Path) -> Any:
@@ -445,8 +394,7 @@ def _read(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if not unsafe:
+        if not (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(err))):
             raise _corrupt(path, "not a file torch.save wrote") from None
         raise UserError(
             f"{path} holds Python objects ({unsafe.group(1)}), not only tensors and plain values; "
@@ -464,56 +412,39 @@ def _corrupt(path: Path, detail: str) -> UserError:
     )
 
 
-def _is_state_dict(obj: Any) -> bool:
-    return (
-        isinstance(obj, dict)
-        and bool(obj)
-        and all(isinstance(v, torch.Tensor) for v in obj.values())
-    )
-
-
 def checked_weights(
     model: nn.Module, path: Path | str, state: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The weights `state` (of the file at `path`), saved from any wrapper, named as the plain
-    `model` names them (without DataParallel's and DDP's `module.`, torch.compile's
-    `_orig_mod.`), and checked: another architecture stops with the first keys and shapes that
-    differ, weights that are not finite stop, another dtype is told."""
+    """The weights `state`, saved from any wrapper, named as the plain `model` names them and
+    checked: another architecture and weights that are not finite stop, another dtype is told."""
     state = OrderedDict(state)
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state, prefix)
     check_architecture(model, path, {key: tuple(t.shape) for key, t in state.items()})
-    check_finite(path, state)
+    bad = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        raise UserError(
+            f"{path} holds weights that are not finite (NaN or infinite values in "
+            f"{', '.join(bad[:3]) + (', …' if len(bad) > 3 else '')}): nothing can be trained "
+            "from them or evaluated. Use an earlier checkpoint (best.pt is a second one), or "
+            "start without it."
+        )
     note_conversion(model, path, {key: t.dtype for key, t in state.items()})
     return state
 
 
-def check_finite(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
-    """Stop on weights that hold NaN or infinite values: a run from them would report a diverged
-    loss, and an evaluation of them chance-level figures, for a cause that is the file's."""
-    bad = [k for k, t in state_dict.items() if t.is_floating_point() and not t.isfinite().all()]
-    if bad:
-        named = ", ".join(bad[:3]) + (", …" if len(bad) > 3 else "")
-        raise UserError(
-            f"{path} holds weights that are not finite (NaN or infinite values in {named}): "
-            "nothing can be trained from them or evaluated. Use an earlier checkpoint (best.pt "
-            "is a second one), or start without it."
-        )
-
-
 def load_shards(model: nn.Module, path: Path, shards: str, strategy: Strategy) -> None:
-    """Load the model's weights from the `shards` folder that the checkpoint at `path` names
-    into the sharded model (every rank calls it, and reads its own parts)."""
-    saved = strategy.saved_tensors(Path(shards))
-    plain = strategy.unwrap(model)
+    """Load the model's weights from the `shards` folder the checkpoint at `path` names (every
+    rank calls it, and reads its own parts)."""
+    saved, plain = strategy.saved_tensors(Path(shards)), strategy.unwrap(model)
     check_architecture(plain, path, {name: shape for name, (shape, _) in saved.items()})
     note_conversion(plain, path, {name: dtype for name, (_, dtype) in saved.items()})
     strategy.load_shards(model, Path(shards))
 
 
 def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...]]) -> None:
-    """Stop with the first keys and shapes that differ between the `saved` tensors' shapes (of
-    the checkpoint at `path`) and the model's own."""
+    """Stop with the first keys and shapes that differ between the `saved` tensors' shapes and
+    the model's own."""
     expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
     problems = [
         f"{key} {_shape(saved[key])} in the file, {_shape(shape)} in the model"
@@ -532,15 +463,13 @@ def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int,
 
 
 def note_conversion(model: nn.Module, path: Path, saved: dict[str, torch.dtype]) -> None:
-    """One line where the file's float weights (`saved` dtypes) are of another dtype than the
-    model's: a float32 checkpoint continued in float64 (trainer.precision=64), or the other way.
-    Loading converts them, and the optimizer's state with them."""
+    """One line where the file's float weights are of another dtype than the model's (a float32
+    checkpoint continued in float64): loading converts them, and the optimizer's state."""
     ours = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
     theirs = {dtype for dtype in saved.values() if dtype.is_floating_point}
     if theirs and ours and theirs != ours:
-        file, here = (
-            ", ".join(sorted(str(d).removeprefix("torch.") for d in s)) for s in (theirs, ours)
-        )
+        file, here = (", ".join(sorted(str(d).removeprefix("torch.") for d in s))
+                      for s in (theirs, ours))  # fmt: skip
         log.info("Weights converted on load: %s in %s, %s in this run", file, path, here)
 
 
@@ -548,20 +477,36 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape)) or "scalar"
 
 
-# What decides which images are trained on, validated on and in what order: it stays the
-# checkpoint's, or the rest of the run trains on other images than its start did.
+def shards_named(path: Path) -> str | None:
+    """The shards folder the checkpoint at `path` names, if any (None for an unreadable file,
+    which is told when it is loaded)."""
+    try:
+        state = _read(path)
+    except UserError:
+        return None
+    return state.get(SHARDS) if isinstance(state, dict) else None
+
+
+def remove_unnamed_shards(folder: Path) -> None:
+    """Remove the shard folders that neither last.pt nor best.pt names any more."""
+    named = {shards_named(f) for f in (folder / "last.pt", folder / "best.pt") if f.is_file()}
+    for shards in folder.glob("shards-*"):
+        if shards.name not in named:
+            shutil.rmtree(shards, ignore_errors=True)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """Copy the checkpoint `source` to `target`, with the shards folder it names, if any."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if shards := shards_named(source):
+        shutil.copytree(source.parent / shards, target.parent / shards, dirs_exist_ok=True)
+    storage.copy_atomically(source, target)
+
+
+# What decides which images train, validate, and in what order: it stays the checkpoint's, or
+# the rest of the run would train on other images than its start did.
 FIXED = ("seed", "data.seed", "data.split_seed", "data.val_size", "data.subset", "data.dataset")
 QUIET = ("paths", "resume")  # where files are: no line when they change
-
-
-def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
-    """Each leaf of a nested config, by its dotted key."""
-    if not isinstance(config, dict):
-        return {prefix: config}
-    leaves = {}
-    for key, value in config.items():
-        leaves.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else prefix + key))
-    return leaves
 
 
 def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: Any) -> None:
@@ -596,3 +541,13 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
     for key in sorted(before.keys() | after.keys()):
         if key.split(".")[0] not in QUIET and before.get(key) != after.get(key):
             log.info("%s %s → %s from this config", key, before.get(key), after.get(key))
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Each leaf of a nested config, by its dotted key."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    leaves = {}
+    for key, value in config.items():
+        leaves.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else prefix + key))
+    return leaves

@@ -19,10 +19,16 @@ import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationKeyError
 
 from src.engine import parallel
-from src.engine.errors import UserError, at_least, instantiated, refuse, typed
+from src.engine.errors import (
+    Checked,
+    UserError,
+    above,
+    least,
+    one_of,
+    refuse,
+)
 from src.engine.parallel.none import Single
 
 # Each precision's autocast dtype (None: none), and the dtype of the weights and float inputs.
@@ -32,62 +38,45 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclass
-class Trainer:
+class Trainer(Checked):
     """`trainer:` how training runs."""
 
-    epochs: int = 1  # passes over the training set
-    max_steps: int | None = None  # null, or stop after this many optimizer steps in total
+    section = "trainer"
+    epochs: int = least(1, 1)  # passes over the training set
+    max_steps: int | None = least(1, None, nullable=True)  # or stop after this many steps in all
     # Write train/loss and train/grad_norm to metrics.jsonl (and wandb) every this many steps.
-    log_every_n_steps: int = 10
-    # Split each process's share of a batch into this many micro-batches (less memory; DDP
-    # all-reduces once, after the last).
-    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = least(1, 10)
+    # Split each process's share of a batch into this many micro-batches (less memory; the ranks
+    # all-reduce once, after the last).
+    accumulate_grad_batches: int = least(1, 1)
     # null, or clip the gradients' global norm to this value before each optimizer step.
-    gradient_clip_val: float | None = None
+    gradient_clip_val: float | None = above(
+        0, None, True, "(no clipping) or a norm above 0, e.g. 1.0"
+    )
     # Deterministic kernels only (torch.use_deterministic_algorithms): repeatable, maybe slower;
     # false lets cuDNN autotune.
     deterministic: bool = False
-    # float32 matmuls: highest (full float32) or high (TF32 on GPUs that have it: faster, about
+    # float32 matmuls: highest (full float32) or high (TF32 where the GPU has it: faster, about
     # 1e-3 relative).
-    matmul_precision: str = "highest"
+    matmul_precision: str = one_of("highest", "high", default="highest")
     # 32 = float32; bf16 = bfloat16 autocast; 16 = float16 autocast with a gradient scaler;
     # 64 = float64 weights, inputs and optimizer state (exact comparisons, slow).
-    precision: str = "32"
+    precision: str = one_of("32", "bf16", "16", "64", default="32")
     # Keep the model's (and the images') tensors channels-last: faster convolutions on GPUs.
     channels_last: bool = False
     # null, or trace this many training steps with torch.profiler into profile/ of the run folder.
-    profile: int | None = None
-    # torch.compile the model: true, or a mode (reduce-overhead, max-autotune).
-    compile: Any = False
+    profile: int | None = least(1, None, nullable=True)
+    # torch.compile the model: true, or a mode.
+    compile: Any = one_of(True, False, *COMPILE_MODES, default=False,
+                          said=f"true, false or a mode: {', '.join(COMPILE_MODES)}")  # fmt: skip
     # Train this many steps (and evaluate once) before the clock starts, then undo them:
     # compilation and autotuning happen there.
-    warmup_steps: int = 0
+    warmup_steps: int = least(0, 0)
     # null, or stop after this many validations in a row without improving checkpoint.monitor.
-    early_stopping_patience: int | None = None
+    early_stopping_patience: int | None = least(1, None, nullable=True)
     # The weights the test split is evaluated on, once, after training: best (best.pt, by
     # checkpoint.monitor) or last.
-    test_weights: str = "best"
-
-    def __post_init__(self) -> None:
-        at_least("trainer.epochs", self.epochs, 1)
-        at_least("trainer.max_steps", self.max_steps, 1, nullable=True)
-        at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
-        at_least("trainer.accumulate_grad_batches", self.accumulate_grad_batches, 1)
-        if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
-            refuse("trainer.gradient_clip_val", self.gradient_clip_val,
-                   "null (no clipping) or a norm above 0, e.g. 1.0")  # fmt: skip
-        if self.matmul_precision not in ("highest", "high"):
-            refuse("trainer.matmul_precision", self.matmul_precision, "highest or high")
-        if self.precision not in PRECISIONS:
-            refuse("trainer.precision", self.precision, "32, bf16, 16 or 64")
-        if self.compile not in (True, False, *COMPILE_MODES):
-            refuse("trainer.compile", self.compile,
-                   f"true, false or a mode: {', '.join(COMPILE_MODES)}")  # fmt: skip
-        at_least("trainer.profile", self.profile, 1, nullable=True)
-        at_least("trainer.warmup_steps", self.warmup_steps, 0)
-        at_least("trainer.early_stopping_patience", self.early_stopping_patience, 1, nullable=True)
-        if self.test_weights not in ("best", "last"):
-            refuse("trainer.test_weights", self.test_weights, "best or last")
+    test_weights: str = one_of("best", "last", default="best")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -110,29 +99,29 @@ class Trainer:
 
 
 @dataclass
-class Checkpointing:
+class Checkpointing(Checked):
     """`checkpoint:` what is saved, when, and what picks the best epoch."""
 
+    section = "checkpoint"
     # Write checkpoints/last.pt in the run folder after every epoch, and best.pt by the monitor.
     save: bool = True
     # null, or also write last.pt every this many optimizer steps within an epoch.
-    every_n_steps: int | None = None
+    every_n_steps: int | None = least(1, None, nullable=True)
     # The validation metric that picks best.pt, early stopping and a sweep's best job: any val/
     # metric the task returns (val/acc, val/loss, ...).
     monitor: str = "val/acc"
     # max or min: whether a higher or a lower value of the monitor is better; null: as the task
     # says (val/acc max, val/loss and val/mae min).
-    mode: str | None = None
+    mode: str | None = one_of("max", "min", None, default=None,
+                              said="max, min or null (as the monitor says)")  # fmt: skip
     # parallel=fsdp: each rank writes its own shards (torch.distributed.checkpoint) into a folder
     # the .pt names, for models too large to gather on one rank.
     sharded: bool = False
 
     def __post_init__(self) -> None:
-        at_least("checkpoint.every_n_steps", self.every_n_steps, 1, nullable=True)
+        super().__post_init__()
         if not self.monitor.startswith("val/"):
             refuse("checkpoint.monitor", self.monitor, "a metric of the validation split: val/...")
-        if self.mode not in (None, "max", "min"):
-            refuse("checkpoint.mode", self.mode, "max, min or null (as the monitor says)")
 
 
 @dataclass
@@ -145,16 +134,19 @@ class Paths:
 
 
 @dataclass
-class DataKeys:
+class DataKeys(Checked):
     """`data:` the keys every dataset shares (src/engine/data.py's `Data`). A `conf/data/` file
-    sets them and adds the keys of its `dataset` class, which this section leaves open."""
+    sets them and adds its `dataset` class's own, which this section leaves open."""
 
+    section = "data"
     _target_: str = "src.engine.data.Data"  # holds the splits and batches them, for every dataset
     dataset: str = "???"  # the class that finds the files and reads them (src/datasets.py, yours)
     download: bool = False  # download the files when they are missing (where the class can)
-    in_channels: int | None = None  # colour channels of an image (null: the data's own)
-    image_size: int | None = None  # height and width of an image in pixels (null: the data's own)
-    num_classes: int | None = None  # number of labels, the models' outputs (null: as found)
+    in_channels: int | None = least(1, None, nullable=True)  # an image's channels; null: found
+    image_size: int | None = least(
+        1, None, nullable=True
+    )  # an image's height and width; null: found
+    num_classes: int | None = least(1, None, nullable=True)  # the models' outputs; null: found
     class_names: list[str] | None = None  # a name per label, for predictions.png (null: numbers)
     # Pixel mean and std (0-1 scale), one number or one per channel, for normalisation; null:
     # computed from the training images (and logged, to copy here).
@@ -162,34 +154,23 @@ class DataKeys:
     std: Any = None
     # true: random crop (padding image_size/8) and horizontal flip of each training image.
     augment: bool = False
-    batch_size: int = 64  # global batch per optimizer step; each rank takes batch_size / ranks
-    test_batch_size: int = 1000  # evaluation batch per process
-    subset: int | None = None  # null, or train on the first N training images only
-    # Training images held out for validation: a number, or a share (0.1); 0 = none.
-    val_size: Any = 5000
+    batch_size: int = least(1, 64)  # global batch per optimizer step; each rank takes its share
+    test_batch_size: int = least(1, 1000)  # evaluation batch per process
+    subset: int | None = least(1, None, nullable=True)  # or train on the first N images only
+    val_size: Any = 5000  # images held out of train for validation, or a share (0.1); 0 = none
     # Seeds which training images are held out: not `seed`, so every job and parallel mode
     # validates on the same ones.
-    split_seed: int = 0
-    seed: int = (
-        "${seed}"  # seeds the sample order: DistributedSampler's permutation of seed + epoch
-    )
+    split_seed: int = least(0, 0)
+    seed: int = least(0, "${seed}")  # the sample order: DistributedSampler's, from seed + epoch
     # tensor = each split one tensor on the device, batches gathered by index; torch =
     # DataLoader, one sample at a time (for data that does not fit in memory).
-    loader: str = "tensor"
-    num_workers: int = 0  # loader=torch: worker processes reading samples (0 = in this process)
+    loader: str = one_of("tensor", "torch", default="tensor")
+    num_workers: int = least(0, 0)  # loader=torch: worker processes reading samples
     pin_memory: bool = False  # loader=torch: page-locked batches, copied to the GPU asynchronously
     persistent_workers: bool = False  # loader=torch: keep the workers between epochs
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "test_batch_size"):
-            at_least(f"data.{key}", getattr(self, key), 1)
-        for key in ("subset", "num_classes", "in_channels", "image_size"):
-            at_least(f"data.{key}", getattr(self, key), 1, nullable=True)
-        for key in ("num_workers", "split_seed", "seed"):
-            if not str(getattr(self, key)).startswith("${"):  # the schema's own ${seed}
-                at_least(f"data.{key}", getattr(self, key), 0)
-        if self.loader not in ("tensor", "torch"):
-            refuse("data.loader", self.loader, "tensor or torch")
+        super().__post_init__()
         names, classes = self.class_names, self.num_classes
         if names is not None and classes is not None and len(names) != classes:
             raise UserError(
@@ -212,26 +193,20 @@ class DataKeys:
 
 
 @dataclass
-class ScheduleKeys:
+class ScheduleKeys(Checked):
     """`scheduler:` the class (`_target_`, given the optimizer) and its keys, and when it steps."""
 
+    section = "scheduler"
     _target_: str | None = None  # the scheduler class; null = a constant learning rate
-    interval: str = "epoch"  # call scheduler.step() after every: epoch | step
-
-    def __post_init__(self) -> None:
-        if self.interval not in ("epoch", "step"):
-            refuse("scheduler.interval", self.interval, "epoch or step")
+    interval: str = one_of("epoch", "step", default="epoch")  # scheduler.step() after each
 
 
 @dataclass
-class Config:
-    """The whole run: the engine's sections above, the groups (each a class and its keys), and
-    the run's own keys."""
+class Start(Checked):
+    """The run's own keys: what it trains from, where, and whether it trains at all."""
 
-    task_name: str = "train"  # what kind of run this is; recorded with the run and given to wandb
-    tags: list[str] = field(default_factory=list)  # labels of the run, recorded and given to wandb
     # Seeds the weights, the sample order and dropout (whose stream is seed + rank on each rank).
-    seed: int = 1
+    seed: int = least(0, 1, said="a whole number, 0 or more")
     device: str = "auto"  # auto = cuda, then mps, then cpu; or name one: cpu, cuda, cuda:1, mps
     # false: only evaluate the weights of ckpt_path, on the validation and test splits.
     train: bool = True
@@ -242,6 +217,29 @@ class Config:
     # optimizer and the schedule start fresh.
     init_from: Any = None
     ckpt_path: Any = None  # with train=false: the checkpoint (or state_dict) to evaluate
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        paths = {"resume": "auto (the run folder's last.pt), null (never) or a checkpoint's path"}
+        for key in ("resume", "init_from", "ckpt_path"):  # a path: no number, no flag
+            if not (getattr(self, key) is None or isinstance(getattr(self, key), str)):
+                refuse(key, getattr(self, key), paths.get(key, "null or a checkpoint's path"))
+        if not self.train and self.ckpt_path is None:
+            raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
+        if self.train and self.ckpt_path is not None:
+            raise UserError(
+                "ckpt_path is the checkpoint to evaluate with train=false. To continue training "
+                "from it use resume=PATH; to start from its weights, init_from=PATH."
+            )
+
+
+@dataclass
+class Config(Start):
+    """The whole run: its own keys (`Start`'s), the engine's sections above, and the groups, each
+    a class (`_target_`) and its keys."""
+
+    task_name: str = "train"  # what kind of run this is; recorded with the run and given to wandb
+    tags: list[str] = field(default_factory=list)  # labels of the run, recorded and given to wandb
     # At the end, write curves.png and predictions.png in the run folder (and log them to wandb).
     plots: bool = True
     trainer: Trainer = field(default_factory=Trainer)
@@ -276,16 +274,6 @@ def register() -> None:
 
 
 @dataclass(frozen=True)
-class Checkpoints:
-    """Which checkpoint a run starts from: `resume` (auto, a path or None), `init_from` (first
-    weights to fine-tune) and `ckpt_path` (the weights `train=false` evaluates)."""
-
-    resume: str | None = "auto"
-    init_from: str | None = None
-    ckpt_path: str | None = None
-
-
-@dataclass(frozen=True)
 class Settings:
     """Everything below `src/engine/run.py` reads of the config, checked as a whole."""
 
@@ -293,10 +281,17 @@ class Settings:
     checkpoint: Checkpointing
     task: Any = None  # what is learned: its loss and metrics (src/tasks.py)
     parallel: parallel.Strategy = field(default_factory=Single)  # the parallel mode's strategy
-    paths: Checkpoints = Checkpoints()
-    device: str = "auto"
-    train: bool = True
+    paths: Start = field(default_factory=Start)  # seed, device, train and the checkpoints
     validates: bool = True  # data.val_size > 0: a validation split is held out
+    config: dict[str, Any] = field(default_factory=dict)  # all of it, resolved: the run's record
+
+    @property
+    def train(self) -> bool:
+        return self.paths.train
+
+    @property
+    def device(self) -> str:
+        return self.paths.device
 
     def __post_init__(self) -> None:
         monitor, known = self.checkpoint.monitor, modes(self.task)
@@ -323,83 +318,13 @@ class Settings:
                 "checkpoint.save=false does not write: set trainer.test_weights=last, or "
                 "checkpoint.save=true."
             )
-        if not self.train and self.paths.ckpt_path is None:
-            raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
-        if self.train and self.paths.ckpt_path is not None:
-            raise UserError(
-                "ckpt_path is the checkpoint to evaluate with train=false. To continue training "
-                "from it use resume=PATH; to start from its weights, init_from=PATH."
-            )
         self.parallel.check(self)
-
-
-def read_settings(cfg: DictConfig) -> Settings:
-    """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
-    for key in cfg.data:  # `???` in the YAML: a value only the user can give
-        if OmegaConf.is_missing(cfg.data, key):
-            raise UserError(
-                f"data.{key} has no value: add data.{key}=... to the command (data=image_folder "
-                "needs data.root=PATH, the folder that holds train/ and test/)."
-            )
-    try:  # a model's keys that name the data's (${data.in_channels}) the data config lacks
-        OmegaConf.to_container(cfg.model, resolve=True)
-    except InterpolationKeyError as err:
-        raise UserError(
-            f"{err.full_key} takes the data's {err.key}, and data.dataset="
-            f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
-            f"data's input_shape, or set {err.full_key}=... yourself."
-        ) from None
-    if not (is_number(cfg.seed, int) and cfg.seed >= 0):
-        refuse("seed", cfg.seed, "a whole number, 0 or more")
-    if not (cfg.resume is None or isinstance(cfg.resume, str)):
-        refuse("resume", cfg.resume,
-               "auto (the run folder's last.pt), null (never) or a checkpoint's path")  # fmt: skip
-    for key in ("init_from", "ckpt_path"):
-        if not (cfg[key] is None or isinstance(cfg[key], str)):
-            refuse(key, cfg[key], "null or a checkpoint's path")
-    if not isinstance(cfg.data.get("root", ""), str):  # the folder of a dataset that reads files
-        refuse("data.root", cfg.data.root, "the path of the data's folder")
-    shared = {f.name for f in dataclasses.fields(DataKeys)}
-    data = typed(DataKeys, {k: v for k, v in cfg_dict(cfg.data).items() if k in shared}, "data")
-    typed(ScheduleKeys, {"interval": cfg.scheduler.get("interval")}, "scheduler")
-    checkpoint = typed(Checkpointing, cfg.checkpoint, "checkpoint")
-    task = build_task(cfg.task)
-    checkpoint.mode = checkpoint_mode(checkpoint.monitor, checkpoint.mode, modes(task))
-    return Settings(
-        trainer=typed(Trainer, cfg.trainer, "trainer"),
-        checkpoint=checkpoint,
-        parallel=parallel.build(cfg.parallel),
-        task=task,
-        paths=Checkpoints(cfg.resume, cfg.init_from, cfg.ckpt_path),
-        device=cfg.device,
-        train=cfg.train,
-        validates=data.val_size > 0,
-    )
-
-
-def cfg_dict(node: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def is_number(value: Any, kind: type = float) -> bool:
     """`value` is a number (of `kind`: int for a count); true is neither."""
     kinds = (int,) if kind is int else (int, float)
     return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-# The task contract's methods (src/engine/core/task.py).
-TASK_METHODS = ("count", "loss", "sums", "metrics")
-
-
-def build_task(config: Any) -> Any:
-    """The task `config` (the `task:` node) names, checked to have the contract's methods."""
-    task = instantiated("task", config)
-    if missing := [name for name in TASK_METHODS if not callable(getattr(task, name, None))]:
-        raise UserError(
-            f"task={config.get('_target_')} has no {', '.join(missing)}: a task needs count, "
-            "loss, sums and metrics (see src/tasks.py)."
-        )
-    return task
 
 
 def modes(task: Any) -> dict[str, str] | None:

@@ -1,28 +1,13 @@
 """The data in memory, batched for this process: the same way for every dataset.
 
-`src/datasets.py` (or a class of your own) finds the files and reads each split as a Dataset of
-(input, target) pairs; this module holds the three splits and cuts them into batches. `train`
-and `val` (`data.val_size` samples held out of the training split by a draw that depends on
-`data.split_seed` alone), and `test`, evaluated once at the end.
-
-Inputs and targets may be of any shape and dtype: float features, int64 tokens, a float image as
-a target. Each keeps its own dtype through both loaders, the empty batches and `decode`; only
-where a batch reaches the model (`normalise`) are float inputs cast to the float dtype the run
-trains in (float32, float64 with trainer.precision=64). Images, the inputs that are uint8
-C×H×W, also go through the image pipeline: uint8 → float and normalisation by
-`data.mean`/`data.std` (computed where null), and `data.augment`; any other input reaches the
-model as the dataset gave it (a float C×H×W input too: it is not divided by 255).
-
-`loader=tensor` (the default): each split lives once as tensors on the training device,
-decoded once (an image folder keeps the decoded images in a cache file beside it); a batch is
-gathered by index, augmented and normalised there, so the loop runs no per-sample Python.
-`loader=torch`: the standard `DataLoader` reading one sample at a time (with workers), for data
-that does not fit in memory; its batches get the same augmentation and normalisation on the
-device, so both loaders give the very same batches.
-
-Both draw the same sample order: the permutation `DistributedSampler` draws, cut into global
-batches that are split over the ranks (`GlobalBatchSampler`), so it depends on `seed` and the
-epoch only, never on `parallel=` or the loader.
+A dataset class (`src/datasets.py`, or your own) reads each split as (input, target) pairs of any
+shape and dtype; `Data` holds `train`, `val` (`data.val_size` samples held out of the training
+split, drawn by `data.split_seed` alone) and `test`, and batches them. Only images (uint8 C×H×W)
+are normalised (`data.mean`/`data.std`) and augmented; float inputs reach the model in the run's
+float dtype, others as read. `loader=tensor` decodes each split once (an image folder's into a
+cache file) into tensors on the training device and gathers batches by index, with no per-sample
+Python; `loader=torch` reads samples through a `DataLoader`, for data too big for memory. Both
+give the very same batches, in `GlobalBatchSampler`'s order (a function of `seed` and the epoch).
 """
 
 from __future__ import annotations
@@ -37,6 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.engine import storage
@@ -45,40 +31,33 @@ from src.engine.parallel import Process
 
 log = logging.getLogger(__name__)
 
-Split = tuple[torch.Tensor, torch.Tensor] | Dataset  # (inputs, targets) in memory, or a Dataset
+Batch = tuple[Tensor, Tensor]  # (inputs, targets)
+Split = Batch | Dataset  # a split's (inputs, targets) in memory, or its Dataset
 
-# The target dtypes that are class labels: checked against num_classes.
-INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # class labels
 
 
 class GlobalBatchSampler:
-    """This rank's share of each global batch, in the order `DistributedSampler` draws.
-
-    Every rank draws the same permutation (DistributedSampler's, seeded by `seed + epoch`), cuts it
-    into global batches of `batch_size` and takes every `world_size`-th sample of each batch,
-    starting at its rank. When the counts divide, that is exactly DistributedSampler's strided
-    split. Unlike DistributedSampler, the last, partial batch is split as it is instead of being
-    padded with repeated samples, so an epoch is the same for every world size.
-    """
+    """This rank's share, by stride, of each global batch of DistributedSampler's permutation
+    (seeded by `seed + epoch`); the last, partial batch is split as it is, not padded with
+    repeated samples, so an epoch is the same for every world size."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size = rank, world_size
-        self.epoch, self.skip = 0, 0
+        self.rank, self.world_size, self.epoch, self.skip = rank, world_size, 0, 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Epoch `epoch`'s order, leaving out its first `skip` batches (done before a resume)."""
         self.epoch, self.skip = epoch, skip
 
-    def permutation(self) -> torch.Tensor:
+    def permutation(self) -> Tensor:
         """The epoch's order of all samples: the draw of DistributedSampler(shuffle=True)."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.num_samples, generator=generator)
 
-    def index_batches(self, device: torch.device | None = None) -> Iterator[torch.Tensor]:
+    def index_batches(self, device: torch.device | None = None) -> Iterator[Tensor]:
         """This rank's shares as index tensors on `device`, cut from one permutation tensor."""
-        order = self.permutation().to(device)
-        size = self.batch_size
+        order, size = self.permutation().to(device), self.batch_size
         for start in range(self.skip * size, self.num_samples, size):
             yield order[start : start + size][self.rank :: self.world_size]
 
@@ -86,30 +65,19 @@ class GlobalBatchSampler:
         return math.ceil(self.num_samples / self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for index in self.index_batches():
-            yield index.tolist()
+        return (index.tolist() for index in self.index_batches())
 
 
-def hold_out(count: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of `count` images split in two: the rest, and `size` held out, each in file order.
-
-    The draw depends on `seed` alone, so every run that sets it validates on the same images,
-    whatever its `seed`, number of processes, loader, `data.subset` or resume.
-    """
+def hold_out(count: int, size: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Indices of `count` samples, sorted: the rest and `size` held out, drawn by `seed` alone."""
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     return order[size:].sort().values, order[:size].sort().values
 
 
 class Data:
-    """A dataset's three splits, batched for this process.
-
-    `batch_size` is the global batch of one optimizer step; under ddp each rank gets its
-    `batch_size / world_size` share. Evaluation gives each rank every `world_size`-th sample of
-    the split, so every sample is counted exactly once whatever the world size. `dataset` names
-    the class of `src/datasets.py` (or your own) that reads the files; the keys this class does
-    not take (root, download, ...) are that class's, and each of its own keys (image_size,
-    num_classes, seed, ...) reaches that class too where its constructor has one of that name.
-    """
+    """A dataset's three splits, batched for this process. `batch_size` is the global batch of one
+    step. `dataset` names the class that reads the files: it gets the keys this class does not
+    take (root, download, ...), and those of this class's own (image_size, seed, ...) it names."""
 
     def __init__(
         self,
@@ -135,8 +103,7 @@ class Data:
         persistent_workers: bool = False,
         **options,
     ):
-        # Data's own keys, before any other name is defined: a dataset class may need some of
-        # them (root to read, image_size to resize, num_classes and seed to draw samples).
+        # Data's own keys, before any other name is defined: a dataset class may take some of them.
         own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
         if loader not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
@@ -149,25 +116,19 @@ class Data:
             source = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as err:
             raise UserError(
-                f"data.dataset={dataset} is no class that can be imported "
-                f"({first_line(err)}): give a dataset class's dotted path "
-                "(src.datasets.IDX, or your own), or choose a data config (python train.py "
-                "--help lists them).",
+                f"data.dataset={dataset} is no class that can be imported ({first_line(err)}): "
+                "give a dataset class's dotted path (src.datasets.IDX, or your own), or choose a "
+                "data config (python train.py --help lists them).",
                 every_rank=True,
             ) from None
         self.takes = set(inspect.signature(source).parameters)
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
-        self.loader = loader
-        self.workers = {"num_workers": num_workers, "pin_memory": pin_memory,
-                        "persistent_workers": persistent_workers and num_workers > 0}  # fmt: skip
-        self.mean, self.std = mean, std
-        self.num_classes = num_classes
+        self.workers = dict(num_workers=num_workers, pin_memory=pin_memory)
+        self.workers["persistent_workers"] = persistent_workers and num_workers > 0
+        self.loader, self.augment, self.subset, self.seed = loader, augment, subset, seed
+        self.mean, self.std, self.num_classes = mean, std, num_classes
         self.class_names = list(class_names) if class_names else None
-        self.augment = augment
-        self.batch_size = batch_size
-        self.test_batch_size = test_batch_size
-        self.subset = subset
-        self.seed = seed
+        self.batch_size, self.test_batch_size = batch_size, test_batch_size
         self.val_size, self.split_seed = val_size, split_seed
 
     def setup(
@@ -176,8 +137,7 @@ class Data:
         dtype: torch.dtype = torch.float32,
         memory_format: torch.memory_format = torch.contiguous_format,
     ) -> None:
-        """Check the batch size, find or download the files, hold the splits for this process,
-        whose model takes float inputs of `dtype`, images in `memory_format` (channels-last)."""
+        """Find (or download) the files and hold the splits, for a model of `dtype` and layout."""
         if self.batch_size < 1 or self.batch_size % process.world_size:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
@@ -185,66 +145,51 @@ class Data:
                 "and each rank takes an equal share.",
                 every_rank=True,
             )
-        # One process per machine finds (or downloads) the files and decodes them into the
-        # cache while the others wait; gathering its verdict is the barrier, and every rank
-        # stops on an error.
-        error, splits = None, {}
+        # One process per machine finds (or downloads) the files and decodes them while the others
+        # wait; gathering its verdict is the barrier, and every rank stops on an error.
+        error, splits = None, ()
         if process.is_local_main:
             try:
                 self.source.prepare()
-                splits = {name: self._read(name) for name in ("train", "test")}
+                splits = self._read("train"), self._read("test")
             except UserError as err:
                 error = str(err)
-        errors = [e for e in process.all_gather_object(error) if e]
-        if errors:
+        if errors := [e for e in process.all_gather_object(error) if e]:
             raise UserError(errors[0], every_rank=True)
-        splits = splits or {name: self._read(name) for name in ("train", "test")}
-
-        self.device = process.device
-        self.rank, self.world_size = process.rank, process.world_size
-        self._hold(splits["train"], splits["test"])
+        self.device, self.rank, self.world_size = process.device, process.rank, process.world_size
+        self.dtype, self.memory_format = dtype, memory_format
+        self._hold(*(splits or (self._read("train"), self._read("test"))))
         self._describe()
         self.sampler = GlobalBatchSampler(
-            self.size("train"), self.batch_size, process.rank, process.world_size, self.seed
+            self.size("train"), self.batch_size, self.rank, self.world_size, self.seed
         )
-        self.dtype, self.memory_format = dtype, memory_format
         self.normalise = self._normalisation() if self.is_image else self._as_dtype
-        self.augmentation = Augment(
-            max(self.image_size // 8, 1), self.seed, process.rank, process.world_size
-        ) if self.augment else None  # fmt: skip
+        self.augmentation = None
+        if self.augment:
+            pad = max(self.image_size // 8, 1)
+            self.augmentation = Augment(pad, self.seed, self.rank, self.world_size)
         if self.loader == "torch":
             self._data_loaders()
-        if self.is_image:
-            what = f"images of {'×'.join(map(str, self.shape))}"
-        else:
-            what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets "
-            what += f"{kind(self.target_dtype, self.target_shape)})"
+        what = f"images of {'×'.join(map(str, self.shape))}"
+        if not self.is_image:
+            targets = kind(self.target_dtype, self.target_shape)
+            what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets {targets})"
         log.info(
             "Data: %d training, %d validation (data.val_size) and %d test %s from %s",
-            self.size("train"),
-            self.size("val"),
-            self.size("test"),
+            *(self.size(split) for split in ("train", "val", "test")),
             what,
             self.source,
         )
 
     def _data_loaders(self) -> None:
-        """loader=torch: a DataLoader drawing the training order, and one per evaluated split
-        giving this rank every world_size-th sample, as the tensor path does."""
+        """loader=torch: DataLoaders of the training order and of each rank's evaluation share."""
         collate_empty = functools.partial(collate, empty=self.empty_batch())
-        self.train_loader = DataLoader(
-            self.train, batch_sampler=self.sampler, collate_fn=collate_empty, **self.workers
-        )
-        shares = {
-            split: Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
-            for split in ("val", "test")
-        }
-        self.eval_loaders = {
-            split: DataLoader(
-                share, batch_size=self.test_batch_size, collate_fn=collate_empty, **self.workers
-            )
-            for split, share in shares.items()
-        }
+        loader = functools.partial(DataLoader, collate_fn=collate_empty, **self.workers)
+        self.train_loader = loader(self.train, batch_sampler=self.sampler)
+        self.eval_loaders = {}
+        for split in ("val", "test"):  # this rank's every world_size-th sample, as `_raw` takes
+            mine = Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
+            self.eval_loaders[split] = loader(mine, batch_size=self.test_batch_size)
 
     def _read(self, name: str) -> Split:
         """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
@@ -270,31 +215,25 @@ class Data:
         # Positions in the training split; `subset` takes the first training images among them.
         self.train_index, self.val_index = hold_out(count, self.val_size, self.split_seed)
         self.train_index = self.train_index[: self.subset]
-        if isinstance(train, tuple):  # cut on the CPU: the device holds each image once
-            self.train, self.val = (
-                tuple(t.index_select(0, index).to(self.device) for t in train)
-                for index in (self.train_index, self.val_index)
-            )
-            self.test = tuple(t.to(self.device) for t in test)
-        else:
-            self.train, self.val = (
-                Subset(train, index.tolist()) for index in (self.train_index, self.val_index)
-            )
-            self.test = test
+
+        def cut(index: Tensor) -> Split:  # on the CPU: the device holds each image once
+            if isinstance(train, tuple):
+                return tuple(t.index_select(0, index).to(self.device) for t in train)
+            return Subset(train, index.tolist())
+
+        self.train, self.val = cut(self.train_index), cut(self.val_index)
+        self.test = tuple(t.to(self.device) for t in test) if isinstance(test, tuple) else test
 
     def _describe(self) -> None:
-        """The kind of samples the data has (images or not, each shape and dtype), its classes
-        and labels, checked against what the config says."""
-        if isinstance(self.train, tuple):
-            first, target = (t[0] for t in self.train)
-        else:
-            first, target = (torch.as_tensor(t) for t in self.train[0])
+        """The samples' kind (image or not, shapes, dtypes) and classes, checked with the config."""
+        held = tuple(t[0] for t in self.train) if isinstance(self.train, tuple) else self.train[0]
+        first, target = (torch.as_tensor(t) for t in held)
         self.input_shape, self.input_dtype = tuple(first.shape), first.dtype
         self.target_shape, self.target_dtype = tuple(target.shape), target.dtype
-        self.shape = self.input_shape
-        self.is_image = is_image(first)
+        self.shape, self.is_image = self.input_shape, is_image(first)
         self.in_channels, self.image_size = self.shape[:2] if self.is_image else (None, None)
-        self._refuse_image_keys()
+        if not self.is_image:
+            self._refuse_image_keys()
         classes = self.source.classes
         labels = self.target_dtype in INTEGERS  # class labels, one per sample or per position
         if self.num_classes is None and (classes or labels):
@@ -314,15 +253,11 @@ class Data:
                 )
 
     def _refuse_image_keys(self) -> None:
-        """data.mean, data.std and data.augment are the image pipeline's: for other inputs they
-        would do nothing, unless the dataset class takes them for itself."""
-        if self.is_image:
-            return
+        """Refuse image-only keys for other inputs, unless the dataset class takes them."""
         inputs = f"{kind(self.input_dtype, self.input_shape)} inputs"
+        given = {"mean": self.mean, "std": self.std}
         unused = [
-            f"data.{key}={value}"
-            for key, value in (("mean", self.mean), ("std", self.std))
-            if value is not None and key not in self.takes
+            f"data.{k}={v}" for k, v in given.items() if v is not None and k not in self.takes
         ]
         if unused:
             normalise = "normalises" if len(unused) == 1 else "normalise"
@@ -345,8 +280,9 @@ class Data:
             log.info(
                 "data.mean=%s data.std=%s, computed from the %d training images: put them in "
                 "the config to skip this",
-                [round(m, 4) for m in mean], [round(s, 4) for s in std], self.size("train"),
-            )  # fmt: skip
+                *([round(v, 4) for v in values] for values in (mean, std)),
+                self.size("train"),
+            )
             if not all(std):
                 raise UserError(
                     f"The training images of {self.source} are all one colour (std {std}): "
@@ -365,25 +301,21 @@ class Data:
             )
         return Normalise(mean, std, self.device, self.dtype, self.memory_format)
 
-    def _uint8_batches(self, split: Split) -> Iterator[torch.Tensor]:
+    def _uint8_batches(self, split: Split) -> Iterator[Tensor]:
         if isinstance(split, tuple):
-            yield from split[0].split(4096)
-        else:
-            loader = DataLoader(
-                split, batch_size=256, collate_fn=collate, num_workers=self.workers["num_workers"]
-            )
-            for images, _ in read(loader):
-                yield images
+            return split[0].split(4096)
+        workers = self.workers["num_workers"]
+        loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=workers)
+        return (images for images, _ in read(loader))
 
-    def _as_dtype(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The normalisation of inputs that are not images: none; float ones in the run's dtype
-        (a batch of float C×H×W ones in its memory layout), any other (int64 tokens) as read."""
+    def _as_dtype(self, inputs: Tensor) -> Tensor:
+        """Inputs that are not images: float ones in the run's dtype and layout, others as read."""
         if not inputs.is_floating_point():
             return inputs
         layout = self.memory_format if inputs.ndim == 4 else torch.preserve_format
         return inputs.to(self.dtype, memory_format=layout)
 
-    def empty_batch(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_batch(self, device: torch.device | None = None) -> Batch:
         """Raw (inputs, targets) of no sample, with the data's sample shapes and dtypes."""
         return (
             torch.empty(0, *self.input_shape, dtype=self.input_dtype, device=device),
@@ -395,10 +327,8 @@ class Data:
         held = getattr(self, split)
         return len(held[1]) if isinstance(held, tuple) else len(held)
 
-    def sample(self, split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`count` raw samples of `split` (uint8 for images), evenly spaced through it (an image
-        folder lists its classes one after another), and their targets, on the training
-        device."""
+    def sample(self, split: str, count: int) -> Batch:
+        """`count` raw samples of `split`, evenly spaced (a folder lists class after class)."""
         held = getattr(self, split)
         index = torch.linspace(0, self.size(split) - 1, min(count, self.size(split))).long()
         if isinstance(held, tuple):
@@ -410,55 +340,40 @@ class Data:
     def steps_per_epoch(self) -> int:
         return len(self.sampler)
 
-    def train_batches(
-        self, epoch: int, skip: int = 0
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's (inputs, targets) of each global batch, with the global batch's size;
-        images augmented and normalised, other inputs as the dataset gave them.
-
-        `skip` leaves out the epoch's first batches, which a resumed run has already trained on.
-        """
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, int]]:
+        """This rank's (inputs, targets, global batch size); `skip`: batches a resume is past."""
         self.sampler.set_epoch(epoch, skip)
-        num_samples = self.size("train")
-        for step, (inputs, targets) in enumerate(self._batches(), start=skip):
-            global_size = min(self.batch_size, num_samples - step * self.batch_size)
+        for step, (inputs, targets) in enumerate(self._raw("train"), start=skip):
+            global_size = min(self.batch_size, self.size("train") - step * self.batch_size)
             if self.augmentation:
                 inputs = self.augmentation(inputs, epoch, step, global_size)
             yield self.normalise(inputs), targets, global_size
 
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.loader == "torch":
-            for inputs, targets in read(self.train_loader):  # pinned memory: async copies
-                yield (inputs.to(self.device, non_blocking=True),
-                       targets.to(self.device, non_blocking=True))  # fmt: skip
-        else:
-            for index in self.sampler.index_batches(self.device):  # no per-sample Python
-                # index_select: the same rows as inputs[index], several times faster on a CPU.
-                yield tuple(t.index_select(0, index) for t in self.train)
-
-    def eval_batches(
-        self, split: str, even: bool = False
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's samples of `split` (val or test): every world_size-th one, in batches of
-        test_batch_size. `even`: then empty batches, up to as many batches as rank 0 has."""
-        yield from self._eval_batches(split)
+    def eval_batches(self, split: str, even: bool = False) -> Iterator[Batch]:
+        """This rank's every world_size-th sample of `split`; `even`: as many batches as rank 0."""
+        for inputs, targets in self._raw(split):
+            yield self.normalise(inputs), targets
         if even:
-            mine = len(range(self.rank, self.size(split), self.world_size))
-            most = len(range(0, self.size(split), self.world_size))
-            batches = (math.ceil(n / self.test_batch_size) for n in (mine, most))
-            for _ in range(*batches):
+            mine, most = (len(range(r, self.size(split), self.world_size)) for r in (self.rank, 0))
+            for _ in range(*(math.ceil(n / self.test_batch_size) for n in (mine, most))):
                 inputs, targets = self.empty_batch(self.device)
                 yield self.normalise(inputs), targets
 
-    def _eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _raw(self, split: str) -> Iterator[Batch]:
+        """This rank's batches of `split` on the training device, as the dataset gives them."""
         if self.loader == "torch":
-            for inputs, targets in read(self.eval_loaders[split]):
-                yield self.normalise(inputs.to(self.device)), targets.to(self.device)
+            loader = self.train_loader if split == "train" else self.eval_loaders[split]
+            for batch in read(loader):  # pinned memory: asynchronous copies
+                yield tuple(t.to(self.device, non_blocking=True) for t in batch)
             return
-        inputs, targets = getattr(self, split)
-        index = torch.arange(self.rank, len(targets), self.world_size, device=targets.device)
-        for chunk in index.split(self.test_batch_size) if len(index) else ():
-            yield self.normalise(inputs.index_select(0, chunk)), targets.index_select(0, chunk)
+        if split == "train":
+            indices = self.sampler.index_batches(self.device)
+        else:
+            index = torch.arange(self.rank, self.size(split), self.world_size, device=self.device)
+            indices = index.split(self.test_batch_size) if len(index) else ()
+        for index in indices:  # no per-sample Python
+            # index_select: the same rows as inputs[index], several times faster on a CPU.
+            yield tuple(t.index_select(0, index) for t in getattr(self, split))
 
 
 def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
@@ -467,9 +382,7 @@ def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
 
 
 class Normalise:
-    """uint8 → float, scaled like torchvision's ToTensor() then Normalize(mean, std). Only images
-    (uint8 C×H×W) are normalised: any other input, a float C×H×W one too, bypasses it, so nothing
-    already float is divided by 255 again."""
+    """uint8 images → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
 
     def __init__(
         self,
@@ -483,32 +396,25 @@ class Normalise:
         # One number where every channel has the same: a scalar operation is faster than a
         # broadcast one (about 5% of an MLP's epoch on a CPU).
         self._mean, self._std = (
-            values[0]
-            if len(set(values)) == 1
-            else torch.tensor(values, device=device, dtype=dtype).view(-1, 1, 1)
-            for values in (mean, std)
+            v[0] if len(set(v)) == 1 else torch.tensor(v, device=device, dtype=dtype).view(-1, 1, 1)
+            for v in (mean, std)
         )
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: Tensor) -> Tensor:
         # Converted straight into the layout the model takes (channels-last): one copy, not two.
         images = images.to(self.dtype, memory_format=self.memory_format)
         return images.div_(255).sub_(self._mean).div_(self._std)
 
 
 class Augment:
-    """CIFAR's standard augmentation, on a batch on the device: a random crop of each image padded
-    by `pad` black pixels on every side, and a horizontal flip of half of them on average.
-
-    The draws are made for the whole global batch from (seed, epoch, step) and each rank takes
-    its share's, so they are the same for any number of processes, and a resume repeats them.
-    """
+    """CIFAR's augmentation on the device: a random crop of each image padded by `pad` black pixels,
+    and a horizontal flip of half of them. Drawn for the global batch from (seed, epoch, step), so
+    the same for any number of processes, and repeated by a resume."""
 
     def __init__(self, pad: int, seed: int, rank: int, world_size: int):
         self.pad, self.seed, self.rank, self.world_size = pad, seed, rank, world_size
 
-    def __call__(
-        self, images: torch.Tensor, epoch: int, step: int, global_size: int
-    ) -> torch.Tensor:
+    def __call__(self, images: Tensor, epoch: int, step: int, global_size: int) -> Tensor:
         # A tuple of ints hashes the same in every process (only str hashing is randomised).
         generator = torch.Generator().manual_seed(hash((self.seed, epoch, step)) & (2**63 - 1))
         shifts = torch.randint(0, 2 * self.pad + 1, (global_size, 2), generator=generator)
@@ -524,9 +430,8 @@ class Augment:
         return crops.permute(0, 3, 1, 2).contiguous()
 
 
-def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split decoded into tensors, through a cache file beside the data: read when the
-    files have not changed since it was written, else decoded again and the cache rewritten."""
+def cached(source, name: str, dataset: Dataset) -> Batch:
+    """A split decoded through a cache file beside the data, rebuilt when the files changed."""
     path, fingerprint = source.cache_path(name), source.fingerprint(dataset)
     if path.is_file():
         try:
@@ -547,9 +452,8 @@ def cached(source, name: str, dataset: Dataset) -> tuple[torch.Tensor, torch.Ten
     return images, labels
 
 
-def decode(dataset: Dataset, split: str, source: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sample of `dataset` (the `split` split of `source`), one at a time, into one tensor
-    of inputs and one of targets, each of sample 0's shape and dtype."""
+def decode(dataset: Dataset, split: str, source: object) -> Batch:
+    """Every sample of `dataset`, one at a time, into a tensor of inputs and one of targets."""
     first = [torch.as_tensor(part) for part in dataset[0]]
     noun = "images" if is_image(first[0]) else "samples"
     log.info("Decoding the %d %s %s of %s into memory", len(dataset), split, noun, source)
@@ -568,14 +472,14 @@ def decode(dataset: Dataset, split: str, source: object) -> tuple[torch.Tensor, 
     return inputs, targets
 
 
-def is_image(input: torch.Tensor) -> bool:
+def is_image(input: Tensor) -> bool:
     """One sample's input is an image, for the image pipeline: uint8 C×H×W."""
     return input.dtype == torch.uint8 and input.dim() == 3
 
 
-def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[float]]:
-    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale. Summed exactly
-    in integers, so that any batching and any device give the very same values."""
+def mean_and_std(batches: Iterator[Tensor]) -> tuple[list[float], list[float]]:
+    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale, summed exactly
+    in integers so that any batching and any device give the very same values."""
     total = squares = count = 0
     for images in batches:
         pixels = images.transpose(0, 1).flatten(1).long()  # C×(N·H·W)
@@ -587,7 +491,7 @@ def mean_and_std(batches: Iterator[torch.Tensor]) -> tuple[list[float], list[flo
     return (mean / 255).tolist(), (std / 255).tolist()
 
 
-def labels_of(split: Split) -> torch.Tensor | None:
+def labels_of(split: Split) -> Tensor | None:
     """A split's targets, where they are known without reading its inputs."""
     if isinstance(split, tuple):
         return split[1]
@@ -598,20 +502,16 @@ def labels_of(split: Split) -> torch.Tensor | None:
     return None if labels is None else torch.as_tensor(labels)
 
 
-def read(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The batches of `loader`; a file a worker could not read is named in one sentence, not
-    in the worker's traceback that DataLoader wraps around it."""
+def read(loader: DataLoader) -> Iterator[Batch]:
+    """The batches of `loader`; a worker's UserError said in its sentence, not its traceback."""
     try:
         yield from loader
     except UserError as err:
         raise UserError(str(err).rstrip().rsplit("UserError: ", 1)[-1]) from None
 
 
-def collate(
-    samples: list[tuple[object, object]], empty: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples into a batch, inputs and targets each keeping their dtype (as `decode`
-    does); a rank's share of a last, small batch may be empty: then a copy of `empty`."""
+def collate(samples: list[tuple[object, object]], empty: Batch | None = None) -> Batch:
+    """Stack samples into a batch, each part keeping its dtype; no samples: a copy of `empty`."""
     if not samples:
         return tuple(t.clone() for t in empty)
     inputs, targets = zip(*samples, strict=True)

@@ -4,10 +4,9 @@ mistakes told in one sentence."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
-from hydra.errors import CompactHydraException, InstantiationException
-from hydra.utils import instantiate
+from hydra.errors import CompactHydraException
 
 
 class UserError(CompactHydraException):
@@ -44,86 +43,6 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-# What Python says when a call's keywords do not fit the function: a key the class does not take.
-_SIGNATURE = ("unexpected keyword argument", "required positional argument", "multiple values")
-
-
-def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwargs: Any) -> Any:
-    """`instantiate(node, *args, **kwargs)` for the config group `group` (model, data, optimizer,
-    scheduler, task). A class that cannot be imported, a key its class does not take, or, with
-    `values`, a value it refuses (torch's optimizers and schedulers check theirs) is one sentence
-    naming the group; the class's own UserError stays its sentence; anything else keeps its
-    traceback."""
-    try:
-        return instantiate(node, *args, **kwargs)
-    except InstantiationException as err:
-        cause, target = err.__cause__, node.get("_target_")
-        if isinstance(cause, UserError):
-            raise cause from None
-        if isinstance(cause, ImportError):
-            raise UserError(
-                f"{group}._target_={target} cannot be imported: check its module and class name "
-                f"(or choose a {group} config: python train.py --help lists them).",
-                every_rank=True,
-            ) from None
-        signature = isinstance(cause, TypeError) and any(s in str(cause) for s in _SIGNATURE)
-        if not (signature or (values and isinstance(cause, (TypeError, ValueError)))):
-            raise
-        refused = "does not take these keys" if signature else "refuses a value"
-        raise UserError(
-            f"{group}: {target} {refused} ({first_line(cause)}). Fix the {group}.* keys "
-            "(python train.py --cfg job shows them).",
-            every_rank=True,
-        ) from None
-
-
-def typed(cls: type, node: Any, section: str, exclude: tuple[str, ...] = ()) -> Any:
-    """The dataclass `cls` built from the config `node` (a DictConfig or a dict): OmegaConf checks
-    each value against its field's type, `cls.__post_init__` its range and choices. A value of
-    the wrong type, or a key `cls` has no field for, is one sentence naming it."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
-    untyped(cls, section)
-    if not isinstance(node, dict):
-        node = OmegaConf.to_container(node, resolve=True)
-    values = {key: value for key, value in node.items() if key not in exclude}
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
-    except ConfigKeyError as err:
-        raise UserError(
-            f"{section}.{err.key} is not a key of {section}: {cls.__name__} ({where(cls)}) has "
-            "no field of that name. Check its spelling (python train.py --cfg job shows the keys).",
-            every_rank=True,
-        ) from None
-    except ValidationError as err:
-        value = values.get(err.full_key, err.value)
-        raise UserError(
-            f"{section}.{err.full_key}={value} is not allowed: {first_line(err)} (the type of "
-            f"{cls.__name__}.{err.full_key}).",
-            every_rank=True,
-        ) from None
-
-
-def untyped(cls: type, section: str) -> None:
-    """Refuse a setting a fork declared without a type (`rate = 0.1` in a dataclass is a class
-    attribute, no field, and no key of the config)."""
-    shared = {name for c in cls.__mro__ for name, t in vars(c).get("__annotations__", {}).items()
-              if "ClassVar" in str(t)}  # fmt: skip
-    fields = getattr(cls, "__dataclass_fields__", {})
-    for c in cls.__mro__[:-1]:
-        for name, value in vars(c).items():
-            if name.startswith("_") or name in fields or name in shared:
-                continue
-            if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
-                continue
-            raise UserError(
-                f"{where(c)}: {c.__name__}.{name} = {value!r} has no type, so it is no key of "
-                f"{section}: declare it as a field, `{name}: {type(value).__name__} = {value!r}`.",
-                every_rank=True,
-            )
-
-
 def where(cls: type) -> str:
     """The file a class is written in, relative to the working folder where it lies inside."""
     import inspect
@@ -143,10 +62,50 @@ def refuse(key: str, value: Any, allowed: str) -> None:
     raise UserError(f"{key}={value} is not allowed: use {allowed}.", every_rank=True)
 
 
-def at_least(key: str, value: int | float | None, low: int, nullable: bool = False) -> None:
-    """Refuse a `value` of `key` below `low` (None where it is `nullable`)."""
-    if value is None and nullable:
-        return
-    if value is None or value < low:
-        allowed = f"at least {low}" if low else "0 or more"
-        refuse(key, value, f"null or {allowed}" if nullable else allowed)
+# A setting's range or choices, declared with its field (`epochs: int = least(1, 1)`) and checked
+# by `Checked` as the section is built: each says what it allows in the message that refuses it.
+def least(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
+    """A field of at least `low` (and null where `nullable`)."""
+    said = said or (f"at least {low}" if low else "0 or more")
+    return _checked_field(default, lambda v: v >= low, f"null or {said}" if nullable else said,
+                          nullable)  # fmt: skip
+
+
+def above(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
+    """A field of more than `low` (and null where `nullable`)."""
+    said = said or f"a number above {low}"
+    return _checked_field(default, lambda v: v > low, f"null {said}" if nullable else said,
+                          nullable)  # fmt: skip
+
+
+def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:
+    """A field that takes one of `choices`."""
+    shown = ["null" if c is None else str(c).lower() if c in (True, False) else str(c)
+             for c in choices]  # fmt: skip
+    said = said or f"{', '.join(shown[:-1])} or {shown[-1]}"
+    return _checked_field(default, lambda v: v in choices, said, None in choices)
+
+
+def _checked_field(default: Any, allows: Any, said: str, nullable: bool) -> Any:
+    from dataclasses import field
+
+    return field(default=default, metadata={"allows": allows, "said": said, "null": nullable})
+
+
+class Checked:
+    """A section of the config (a dataclass) whose fields' ranges and choices are checked as it
+    is built, each named `<section>.<field>` in the sentence that refuses it."""
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        from dataclasses import fields
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "allows" not in f.metadata or str(value).startswith("${"):  # an interpolation
+                continue
+            allowed = f.metadata["null"] if value is None else f.metadata["allows"](value)
+            if not allowed:
+                key = f"{self.section}.{f.name}" if self.section else f.name
+                refuse(key, value, f.metadata["said"])

@@ -1,8 +1,5 @@
-"""Where metrics go: `metrics.jsonl` in the run folder always, and wandb when `logger=wandb`.
-
-Only the main process logs. A tracker failure never stops training: one warning, then
-`metrics.jsonl` alone.
-"""
+"""Where the main process's metrics go: `metrics.jsonl` in the run folder, and wandb when
+`logger=wandb`. A tracker failure never stops training: one warning, then `metrics.jsonl` alone."""
 
 from __future__ import annotations
 
@@ -23,18 +20,12 @@ from src.engine.parallel import Process
 log = logging.getLogger(__name__)
 
 
-class MetricsLogger:
-    """Appends one JSON object per `log` call to `metrics.jsonl` and hands it to the tracker.
+class MetricsLogger(AbstractContextManager):
+    """Appends one JSON line per `log` to `metrics.jsonl` (after a resumed run's `history`), and
+    hands it to the tracker. A line the storage refuses is taken back whole and kept as `fault`,
+    which training stops on where the ranks next meet; nothing more is written."""
 
-    A resumed run's file starts with the `history` its checkpoint had seen, so that it reads
-    like the run's uninterrupted record. A line the storage refuses (a full disk, the run folder
-    gone) is taken back whole and kept as `fault`, which training stops on at the next point
-    where the ranks meet; nothing more is written.
-    """
-
-    def __init__(
-        self, run_dir: Path, tracker: Any | None = None, history: list[dict[str, Any]] = ()
-    ):
+    def __init__(self, run_dir: Path, tracker: Any | None = None, history: list[dict] = ()):
         self.path, self.tracker, self.file = run_dir / "metrics.jsonl", tracker, None
         lines = "".join(json.dumps(record) + "\n" for record in history).encode()
         self.fault = storage.attempt(lambda: self._start(lines), self.path)
@@ -45,15 +36,14 @@ class MetricsLogger:
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.fault:
-            line = json.dumps(metrics) + "\n"
-            self.fault = storage.attempt(lambda: self._append(line), self.path)
+            self.fault = storage.attempt(lambda: self._append(metrics), self.path)
         if self.tracker is not None:
             self.tracker.log(metrics)
 
-    def _append(self, line: str) -> None:
+    def _append(self, metrics: dict[str, Any]) -> None:
         if not self.path.exists():  # the run folder was moved or deleted: the line would be lost
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.path))
-        end, data = self.file.tell(), memoryview(line.encode())
+        end, data = self.file.tell(), memoryview((json.dumps(metrics) + "\n").encode())
         try:
             while data:  # an unbuffered write may take part of the line
                 data = data[self.file.write(data) :]
@@ -83,18 +73,13 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.finish(exit_code=1 if failed else 0)
 
-    def __enter__(self) -> MetricsLogger:
-        return self
-
     def __exit__(self, exc_type: type[BaseException] | None, *_: Any) -> None:
         self.close(failed=exc_type is not None)
 
 
 class WandbTracker:
-    """One wandb run, with the resolved config, its files inside the run folder.
-
-    Given the `run_id` of a resumed run, it continues that run (wandb's `resume="allow"`).
-    """
+    """One wandb run with the resolved config, its files in the run folder; given a resumed run's
+    `run_id`, it continues that run."""
 
     def __init__(
         self,
@@ -173,14 +158,10 @@ class WandbTracker:
 
 
 def wandb_mode(mode: str | None, default_base_url: str) -> str:
-    """`logger.mode` if set, else WANDB_MODE, else online with an API key and offline without.
-
-    Choosing offline when no key is configured is what keeps wandb from prompting for one.
-    """
-    if mode:
-        return mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+    """`logger.mode` if set, else WANDB_MODE, else online with an API key and offline without (which
+    keeps wandb from prompting for one)."""
+    if mode or os.environ.get("WANDB_MODE"):
+        return mode or os.environ["WANDB_MODE"]
     return "online" if _has_api_key(default_base_url) else "offline"
 
 
@@ -202,12 +183,9 @@ def open_logger(
     resumed: tuple[Path, dict[str, Any]] | None = None,
     tracker: Callable[[str | None], Any] | None = None,
 ) -> AbstractContextManager[MetricsLogger | None]:
-    """The main process's logger, with the tracker `tracker(run_id)` builds (None: none); None
-    on other ranks.
-
-    Used as a context manager, so the tracker is finished on every exit, errors included.
-    A run `resumed` from (checkpoint path, checkpoint) continues its metrics and its wandb run.
-    """
+    """The main process's logger (None on other ranks), with the tracker `tracker(run_id)` builds.
+    A context manager: the tracker is finished on every exit. A run `resumed` from (checkpoint
+    path, checkpoint) continues its metrics and its wandb run."""
     if not process.is_main:
         return nullcontext()
     history, run_id = [], None
@@ -219,23 +197,17 @@ def open_logger(
 
 
 def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` up to optimizer step `step` ([] if there is no file).
-
-    What a killed run logged after its last checkpoint is left out: the resumed run logs it again.
-    So is the test, which every launch evaluates once at its end.
-    """
+    """The records of a `metrics.jsonl` (if any) up to optimizer step `step`: a resumed run logs
+    again what came after, and the test, which every launch evaluates once at its end."""
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
+        with suppress(json.JSONDecodeError):  # the last line of a run killed while writing it
             records.append(json.loads(line))
-        except json.JSONDecodeError:  # the last line of a run killed while writing it
-            continue
     return [r for r in records if r.get("step", 0) <= step and not logged(r, "test")]
 
 
 def logged(record: dict[str, Any], split: str) -> dict[str, Any]:
-    """What a record of `metrics.jsonl` holds of `split` (train, val or test), by name: its
-    `test/acc` as `acc`."""
+    """What a record holds of `split` (train, val or test), by name: its `test/acc` as `acc`."""
     prefix = f"{split}/"
     return {key.removeprefix(prefix): v for key, v in record.items() if key.startswith(prefix)}
 

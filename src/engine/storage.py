@@ -1,15 +1,9 @@
-"""Writing a run's files, and what a refused write tells the user.
-
-A full disk, a used-up quota, a file-size limit, a read-only or a vanished folder are not bugs:
-the run stops, on every rank together, with one message that names the file, says which
-checkpoint is intact and gives the command that resumes. Files are written beside their final
-name and renamed over it, so a refused or killed write leaves the previous file whole and no
-partial one.
-"""
+"""Writing a run's files atomically: a refused or killed write leaves the old file whole, no partial
+one. A refusal (full disk or quota, file-size limit, read-only or vanished folder) is no bug: all
+ranks stop with one message naming the file, the intact checkpoint and the command that resumes."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -18,11 +12,13 @@ import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from src.engine.errors import UserError
 
@@ -47,9 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class Fault(NamedTuple):
-    """A write the storage refused: the file, the error number, the system's words for it, and
-    whether the file's folder was still there. Plain values, decided where the write failed, so
-    that ranks can gather it and every rank tells the same story."""
+    """A refused write in plain values, decided where it failed, for ranks to gather and agree."""
 
     path: str
     errno: int
@@ -64,21 +58,17 @@ class Fault(NamedTuple):
 
 
 class StorageFull(UserError):
-    """The storage refused a write of the run; nothing partial was left, and the message says
-    what is intact and how to resume."""
+    """The storage refused a write; the message says what is intact and how to resume."""
 
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write `path` with `write(file)`: into a partial file beside it, flushed to the disk, then
-    renamed over `path`, and the rename flushed too. On any failure the partial file is removed
-    and `path` is as it was. The folder is held open throughout, so a folder moved meanwhile gets
-    the whole file, or nothing, where it now is."""
+    """Write `path` with `write(file)` into a partial file beside it, flushed, renamed over `path`
+    (else left as it was). A folder moved meanwhile, held open, gets it whole or not at all."""
     # Its own partial file per process: two machines may write one file of a shared folder.
     partial, folder = f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial", None
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        with open(os.open(partial, flags, 0o666, dir_fd=folder), "wb") as file:
+        with open(partial, "wb", opener=lambda p, f: os.open(p, f, 0o666, dir_fd=folder)) as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())  # network file systems report a full disk here, if not before
@@ -88,22 +78,15 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         if folder is not None:
             with suppress(OSError):
                 os.unlink(partial, dir_fd=folder)
-        refused = _os_error(err)
-        if refused is None:
+        # torch.save's writer raises a RuntimeError of its own closing a file whose write failed
+        refused = err.__context__ if isinstance(err, RuntimeError) else err
+        if not isinstance(refused, OSError):
             raise
         refused.filename, refused.filename2 = str(path), None  # the file meant, not its partial
         raise refused from None
     finally:
         if folder is not None:
             os.close(folder)
-
-
-def _os_error(err: BaseException) -> OSError | None:
-    """The OSError `err` is, or the one behind it: torch.save's writer raises a RuntimeError of
-    its own when it closes a file whose write failed."""
-    if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
-        return err.__context__
-    return err if isinstance(err, OSError) else None
 
 
 def copy_atomically(source: Path, target: Path) -> None:
@@ -113,9 +96,8 @@ def copy_atomically(source: Path, target: Path) -> None:
 
 
 def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | None:
-    """Run `write`; what the storage refused of it as a Fault (of `path`, else the file the error
-    names), None if it succeeded. Any OSError counts (an NFS server's EIO too), so that a write
-    of the main process never fails on it alone while the other ranks wait."""
+    """Run `write`; what the storage refused of it (of `path`, else the file named), or None. Any
+    OSError counts (an NFS EIO too): the main process must not fail alone while the others wait."""
     try:
         write()
     except OSError as err:
@@ -126,14 +108,12 @@ def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | No
 def on_main(
     process: Process, write: Callable[[], object], path: Path | None = None
 ) -> Fault | None:
-    """`write` on the main process; what the storage refused of it, on every rank (`attempt`,
-    then `agree`: also a barrier)."""
+    """`write` on the main process; what the storage refused of it, on every rank (a barrier)."""
     return agree(process, attempt(write, path) if process.is_main else None)
 
 
 def agree(process: Process, fault: Fault | None) -> Fault | None:
-    """The first rank's fault, on every rank, so that all of them stop together (one collective,
-    which is also a barrier)."""
+    """The first rank's fault, on every rank, so all stop together (a collective: a barrier)."""
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
@@ -141,7 +121,7 @@ def stopped(
     fault: Fault, run_dir: Path, step: int | None, kept: tuple[Path, int] | None
 ) -> StorageFull:
     """The message a refused write stops the run with: what failed, what is `kept` (the last
-    checkpoint written, and its step), and the command that resumes once the cause is gone."""
+    checkpoint and its step), and the command that resumes once the cause is gone."""
     at = "" if step is None else f" at step {step}"
     resume = f"run the same command with hydra.run.dir={run_dir}"
     path = Path(fault.path)
@@ -153,12 +133,10 @@ def stopped(
             f"command with hydra.run.dir=<its new place> to resume{from_}; if it was deleted, "
             "start again."
         )
+    resume += " to resume" if kept else " to start again"
+    intact = "no checkpoint was written before it"
     if kept:
         intact = f"{_within(kept[0], run_dir)} from step {kept[1]} is intact"
-        resume += " to resume"
-    else:
-        intact = "no checkpoint was written before it"
-        resume += " to start again"
     if fault.errno in FULL:
         reason, fix = FULL[fault.errno]
         fix = f"{fix}, then {resume}"
@@ -171,10 +149,8 @@ def stopped(
         reason = "it was deleted during the run" if fault.folder_exists else "its folder is gone"
         fix = f"Make sure nothing else deletes files in {run_dir}, then {resume}"
     else:
-        reason, fix = (
-            "the storage reported an error",
-            f"Check the disk of {path.parent}, then {resume}",
-        )
+        reason = "the storage reported an error"
+        fix = f"Check the disk of {path.parent}, then {resume}"
     return StorageFull(
         f"Stopped{at}: {fault.path} could not be written: {reason} ({fault.strerror}). "
         f"Nothing partial is left, and {intact}. {fix}."
@@ -183,18 +159,14 @@ def stopped(
 
 def _within(path: Path, folder: Path) -> str:
     """`path` relative to `folder` if it lies inside it (checkpoints/last.pt), else whole."""
-    try:
-        return str(path.relative_to(folder))
-    except ValueError:
-        return str(path)
+    return str(path.relative_to(folder) if path.is_relative_to(folder) else path)
 
 
-@contextlib.contextmanager
+@contextmanager
 def held(run_dir: Path, process: Process) -> Iterator[None]:
-    """Hold the run folder for this run: rank 0 writes `run.lock` (its process id and host) and
-    removes it when the run ends, however it ends. A folder another living run holds is refused
-    on every rank, with one sentence naming the holder; the lock of a run that died (SIGKILL, a
-    lost machine) is taken over, as is the previous attempt's under a torchrun restart."""
+    """Hold the run folder: rank 0 writes `run.lock`, removed however the run ends. A living run's
+    lock refuses the folder on every rank, naming the holder; a dead run's (SIGKILL, a lost
+    machine) or an earlier torchrun attempt's is taken over."""
     refusal = None
     if process.is_main:
         try:
@@ -219,8 +191,7 @@ def _holder() -> dict[str, object]:
 
 
 def _take(path: Path) -> str | None:
-    """Create the lock `path` for this process; the sentence that refuses the folder if a living
-    run holds it (None: taken)."""
+    """Create the lock `path`; None if taken, else the sentence refusing the folder."""
     me = _holder()
     for _ in range(3):  # a stale lock removed, then created again (another run may win the race)
         try:
@@ -230,19 +201,16 @@ def _take(path: Path) -> str | None:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):  # removed meanwhile, or being written: look again
                 continue
+            who = f"process {holder.get('pid')} on {holder.get('host')}"
             if _alive(holder, me):
                 return (
-                    f"{path.parent} is in use by another run (process {holder.get('pid')} on "
-                    f"{holder.get('host')}): give this run a folder of its own "
-                    "(hydra.run.dir=...), or wait for that one to end. If it is no longer "
+                    f"{path.parent} is in use by another run ({who}): give this run a folder of "
+                    "its own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
                     f"running, delete {path}."
                 )
             log.warning(
-                "%s was left by a run that ended without removing it (process %s on %s): this "
-                "run takes the folder over",
-                path,
-                holder.get("pid"),
-                holder.get("host"),
+                f"{path} was left by a run that ended without removing it ({who}): this run "
+                "takes the folder over"
             )
             with suppress(FileNotFoundError):
                 path.unlink()
@@ -254,9 +222,8 @@ def _take(path: Path) -> str | None:
 
 
 def _alive(holder: dict, me: dict) -> bool:
-    """Whether the run that wrote a lock may still be running: a process of this machine that
-    exists, or any process of another machine (which this one cannot see), unless it was an
-    earlier attempt of this same torchrun job (torchrun restarts a group only once it stopped)."""
+    """Whether a lock's run may still run: a living process here, or any on another machine (not
+    visible here), unless an earlier attempt of this torchrun job (restarted once it stopped)."""
     if me["torchrun_job"] and holder.get("torchrun_job") == me["torchrun_job"]:
         return False
     if holder.get("host") != me["host"]:
@@ -266,14 +233,13 @@ def _alive(holder: dict, me: dict) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, KeyError, TypeError, ValueError):
-        return True  # another user's process, or a lock this code did not write
+        pass  # another user's process, or a lock this code did not write
     return True
 
 
 def check_run_folder(folder: Path) -> None:
-    """The run folder `hydra.run.dir` names can be made and written: a path through a file, or a
-    folder on a read-only file system or without write permission, is one sentence naming it
-    (Hydra's own attempt, a moment later, would fail with tracebacks)."""
+    """The run folder can be made and written, else one sentence naming why (a path through a file,
+    a read-only file system, no permission), not Hydra's tracebacks a moment later."""
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise UserError(
@@ -281,11 +247,10 @@ def check_run_folder(folder: Path) -> None:
             "hydra.run.dir."
         )
     if not os.access(existing, os.W_OK):
-        try:  # os.access passes root on a read-only file system; a statvfs flag says it
+        read_only = False
+        with suppress(OSError):  # os.access passes root on a read-only file system; statvfs says it
             read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-        except OSError:
-            read_only = False
-        why = "the file system is read-only" if read_only else "permission is denied"
+        why = READ_ONLY[errno.EROFS if read_only else errno.EACCES]
         raise UserError(
             f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
             "you can write to (hydra.run.dir=...), or make that one writable."
@@ -293,22 +258,15 @@ def check_run_folder(folder: Path) -> None:
 
 
 class RunFolderCheck(Callback):
-    """A Hydra callback (conf/config.yaml's hydra.callbacks): the run folder checked before Hydra
-    makes it and writes its logs and .hydra/ files there.
-
-    Hydra turns an exception of a callback into a warning and goes on (hydra/_internal/
-    callbacks.py), so a folder that cannot be used ends the process here, with its sentence."""
+    """Checks the run folder before Hydra makes it (conf/config.yaml's hydra.callbacks). Hydra turns
+    a callback's exception into a warning and goes on, so a bad folder ends the process here."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
-        try:  # interpolations resolve here as Hydra resolves them; one that needs Hydra's own
-            folder = OmegaConf.select(config, "hydra.run.dir")  # state is left to Hydra
+        try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
+            folder = OmegaConf.select(config, "hydra.run.dir")
+            check_run_folder(Path(str(folder)).expanduser().absolute())
         except OmegaConfBaseException:
             return
-        try:
-            check_run_folder(Path(str(folder)).expanduser().absolute())
         except UserError as err:
             print(err, file=sys.stderr)
             raise SystemExit(1) from None

@@ -39,6 +39,17 @@ def evaluate_and_log(
     return metrics
 
 
+def evaluate_weights(run: Run, model: nn.Module, weights: tuple) -> tuple[Fitted, float | None]:
+    """train=false: the checkpoint's weights on the validation split, if there is one."""
+    saved = weights[1].get("progress", {})
+    fitted = Fitted(saved.get("epoch", 0), saved.get("step", 0), None)
+    if not run.data.size("val"):
+        return fitted, None
+    at = {"step": fitted.step, "epoch": fitted.epoch}
+    val = evaluate_and_log(run, model, "val", at, str(weights[0]))
+    return fitted, val[run.settings.checkpoint.monitor]
+
+
 def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
     """The test split, once, after training: on best.pt's weights (`trainer.test_weights=best`,
     where a validation picked them), else on the weights training ended with."""

@@ -1,9 +1,7 @@
 """The checks that stop every rank at once, before anything bad is validated or saved: a loss or
-a weight that is NaN or infinite, and metrics.jsonl refused by the storage.
-
-The losses stay on the device until a check (every logging step, and before an evaluation or a
-save): then the ranks agree, in the check's one all-reduce, on whether any of them saw a bad one.
-"""
+a weight that is NaN or infinite, and metrics.jsonl refused by the storage. The losses stay on the
+device until a check (each logging step, evaluation or save), where one all-reduce tells every rank
+whether any saw a bad one."""
 
 from __future__ import annotations
 
@@ -23,12 +21,12 @@ class NonFiniteLoss(CompactHydraException):
 
 
 class NonFinite(Hook):
-    """Stop every rank when a training loss since the last check, or a weight at a check before
-    an evaluation or a save, is NaN or infinite."""
+    """Stop every rank when a training loss, or a weight before an evaluation or save, is NaN or
+    infinite."""
 
     def __init__(self) -> None:
         self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
-        self.first_bad: int | None = None
+        self.first_bad: int | None = None  # this rank's first step with a bad loss
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         self.losses.append((progress.step, loss))
@@ -38,11 +36,8 @@ class NonFinite(Hook):
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         self.first_bad = steps[bad[0].item()] if len(bad) else None
         self.losses = []
-        strategy = run.strategy
-        broken = weights is not None and not finite(
-            strategy.unwrap(weights).state_dict().values(), strategy.local
-        )
-        return [self.first_bad is not None, broken]
+        state = run.strategy.unwrap(weights).state_dict() if weights is not None else {}
+        return [self.first_bad is not None, not finite(state.values(), run.strategy.local)]
 
     def agreed(
         self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
@@ -57,8 +52,7 @@ class NonFinite(Hook):
 
 
 class UnwrittenMetrics(Hook):
-    """Stop every rank when the main process could not write metrics.jsonl (a full disk), with the
-    checkpoint written last intact."""
+    """Stop every rank, the last checkpoint intact, when metrics.jsonl could not be written."""
 
     def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
         return [bool(run.logger and run.logger.fault)]
@@ -72,9 +66,7 @@ class UnwrittenMetrics(Hook):
 
 
 def finite(tensors: Iterable[torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether every floating-point tensor (parameters, and buffers such as BatchNorm's running
-    statistics) is free of NaN and infinity; one device sync for them all, not one each. Of a
-    sharded tensor, this rank's part (the ranks then agree on the whole)."""
+    """Whether every floating-point tensor's `local` part is free of NaN and infinity (one sync)."""
     checks = [local(t).isfinite().all() for t in tensors if t.is_floating_point()]
     return not checks or bool(torch.stack(checks).all())
 
@@ -99,9 +91,8 @@ def non_finite(what: str, run: Run) -> NonFiniteLoss:
 
 
 def check_count(run: Run) -> None:
-    """Before training: the task counts loss terms in the first global batch (a count that is
-    always 0, every target masked, would make each step's mean 0 / 0). Later batches with none
-    stop the run at the next check of the losses, as any non-finite loss does."""
+    """Before training: the task counts loss terms in the first global batch (every target masked
+    would make each step's mean 0 / 0; a later batch with none stops at the next check)."""
     inputs, targets, _ = next(run.data.train_batches(1))
     count = global_count([run.task.count(inputs, targets)], run.process)  # one process: 0 refused
     if int(count) == 0:

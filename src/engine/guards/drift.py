@@ -1,22 +1,9 @@
 """The drift guard: DDP's ranks train one model, checked rather than assumed.
 
-DDP keeps its copies of the model equal by construction only: every rank starts from the same
-weights, trains on its own part of the same global batch and applies the same averaged gradients.
-Nothing notices when that breaks (a model built differently on one rank, a checkpoint or data
-files that differ between machines, a weight changed outside the optimizer step on one rank):
-each rank then trains a model of its own, and rank 0's checkpoint is one of several. So, under
-DDP, with one collective each:
-
-- `check_start`: before DDP copies rank 0's weights over the others' (which would hide the
-  difference), every rank's weights and buffers equal rank 0's;
-- `check_first_batch`: the ranks' shares of the first global batch are disjoint, make up that
-  batch, and hold the same targets on every rank (compared by a hash, whatever their shape);
-- `check_in_sync`: during training (`parallel.check_sync_every_n_steps`), the parameters still
-  equal rank 0's.
-
-Tensors are compared by a fingerprint, the sum of each tensor's bit patterns read as integers:
-exact (integer sums do not depend on their order, on any device), one number per tensor,
-computed where the tensor lives.
+DDP keeps its copies equal by construction only: a model built differently on one rank, other
+checkpoint or data files on one machine, or a weight changed outside the optimizer step make each
+rank train a model of its own, unnoticed. Hence `check_start`, `check_first_batch` and
+`DriftGuard`, one collective each, comparing tensors by a `fingerprint`.
 """
 
 from __future__ import annotations
@@ -46,17 +33,15 @@ class Drifted(CompactHydraException):
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's bits summed as int64: equal for equal tensors, and changed by a change in
-    any element (short of another change that cancels it exactly; elements swapped within a
-    tensor, a kind of drift no step makes, keep it)."""
+    """Each tensor's bits summed as int64 where it lives: exact on any device, and changed by a
+    change in any element (short of one that cancels it, or a swap within a tensor)."""
     real = (torch.view_as_real(t) if t.is_complex() else t for t in tensors)
     return [t.detach().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in real]
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A hash of a tensor's dtype, shape and elements, in their order: a few bytes to gather in
-    place of a batch's targets (a label a sample, a token a position). Unlike `fingerprint`'s
-    sum, it also tells the same targets in another order, as other files may hold them."""
+    """A hash of a tensor's dtype, shape and elements in their order, to gather in place of a
+    batch's targets: unlike `fingerprint`, it tells the same targets in another order apart."""
     bits = tensor.detach().cpu().contiguous()
     bits = torch.view_as_real(bits) if bits.is_complex() else bits
     hashed = hashlib.sha256(f"{bits.dtype} {list(bits.shape)}".encode())
@@ -65,8 +50,8 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """The tensors of `named` (the same names, in the same order, on every rank) that differ
-    from rank 0's somewhere: each name, in `named`'s order, with the first rank where it does."""
+    """The names in `named` (alike on every rank) whose tensors differ from rank 0's: the first rank
+    where each does."""
     if not process.in_group or not named:
         return {}
     mine = torch.stack(fingerprint(tensor for _, tensor in named))
@@ -79,8 +64,7 @@ def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> di
 
 
 def check_start(model: nn.Module, process: Process) -> None:
-    """Every rank's parameters and (persistent) buffers, before DDP wraps the model, are rank
-    0's: what the checkpoint saves and DDP would copy over."""
+    """Every rank's state dict is rank 0's, before DDP copies rank 0's over it (hiding drift)."""
     if not process.in_group:
         return
     named = list(model.state_dict().items())
@@ -109,9 +93,8 @@ def check_start(model: nn.Module, process: Process) -> None:
 
 
 def check_first_batch(data: Data, process: Process) -> None:
-    """The ranks' shares of epoch 1's first global batch are disjoint and make up that batch,
-    and every rank reads the same targets for it: no sample trained twice or left out, and no
-    machine with other data files. Every rank decides on the same gathered values."""
+    """The ranks' shares of epoch 1's first global batch are disjoint, make it up, and read the same
+    targets (every rank decides on the same gathered values)."""
     if not process.in_group:
         return
     sampler = copy.copy(data.sampler)
@@ -145,21 +128,9 @@ def check_first_batch(data: Data, process: Process) -> None:
             )
 
 
-def check_in_sync(model: nn.Module, process: Process, step: int, kept: str) -> None:
-    """Stop every rank when a parameter differs from rank 0's; `kept` says what is saved."""
-    if drifted := differing(process, list(model.named_parameters())):
-        name, rank = next(iter(drifted.items()))
-        raise Drifted(
-            f"Stopped at step {step}: DDP rank {rank}'s {name} differs from rank 0's, so the "
-            f"ranks no longer train one model, and nothing after it was saved ({kept}). Some "
-            "code changes weights outside the optimizer step, on some ranks only: run python "
-            "train.py debug=equivalence with this run's overrides to find it."
-        )
-
-
 class DriftGuard(Hook):
-    """`parallel.check_sync_every_n_steps` under DDP: compare the ranks' parameters at each check
-    before an evaluation or a save ("eval"), and also every N steps (N)."""
+    """`parallel.check_sync_every_n_steps` under DDP: stop every rank when a parameter differs from
+    rank 0's, checked before each evaluation or save ("eval"), and also every N steps (N)."""
 
     def __init__(self, every: int | str) -> None:
         self.every = every
@@ -171,13 +142,18 @@ class DriftGuard(Hook):
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         if isinstance(self.every, int) and progress.step % self.every == 0:
-            self.in_sync(run, progress, self.model)
+            self.agreed(run, progress, [], self.model)
 
     def agreed(
         self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
     ) -> None:
-        if weights is not None:
-            self.in_sync(run, progress, weights)
-
-    def in_sync(self, run: Run, progress: Progress, weights: nn.Module) -> None:
-        check_in_sync(run.strategy.unwrap(weights), run.process, progress.step, intact(run))
+        named = list(run.strategy.unwrap(weights).named_parameters()) if weights is not None else []
+        if drifted := differing(run.process, named):
+            name, rank = next(iter(drifted.items()))
+            raise Drifted(
+                f"Stopped at step {progress.step}: DDP rank {rank}'s {name} differs from rank 0's, "
+                "so the ranks no longer train one model, and nothing after it was saved "
+                f"({intact(run)}). Some code changes weights outside the optimizer step, on some "
+                "ranks only: run python train.py debug=equivalence with this run's overrides to "
+                "find it."
+            )

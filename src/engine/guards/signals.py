@@ -1,7 +1,6 @@
 """SIGTERM and Ctrl-C (pre-emption, torchrun shutting down): during training they ask it to stop
 at a step, which saves `last.pt` and prints the command that resumes; outside training they
-interrupt, and the run says where it stopped and what is kept.
-"""
+interrupt, and the run says where it stopped and what is kept."""
 
 from __future__ import annotations
 
@@ -22,10 +21,7 @@ from src.engine.parallel import Process
 
 
 class StopSignals(Hook):
-    """During training, SIGTERM and SIGINT only ask it to stop: one process stops after the
-    current step, DDP ranks at the next check, where they agree on it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    """SIGTERM and SIGINT ask training to stop: one process after a step, DDP at the next check."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -36,7 +32,7 @@ class StopSignals(Hook):
 
     @contextlib.contextmanager
     def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
-        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
@@ -51,19 +47,26 @@ class StopSignals(Hook):
     ) -> None:
         self.agreed_to_stop = self.agreed_to_stop or bool(sums[0])
 
-    def wants_stop(self, run: Run) -> bool:
-        # One process has no other rank to agree with: it stops after this step.
+    def wants_stop(self, run: Run) -> bool:  # alone, a process stops at once: no rank to agree with
         return self.agreed_to_stop or (run.process.world_size == 1 and bool(self.received))
 
     def stop(self, run: Run, progress: Progress) -> NoReturn:
-        stop_now(run.process, run.checkpointer, progress.step)
+        """End the run with the command that resumes it."""
+        saver, step = run.checkpointer, progress.step
+        if not run.process.is_main:
+            sys.exit(1)  # quietly: rank 0 tells the user
+        if not saver.policy.save:
+            raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
+        raise Stopped(
+            f"Stopped by a signal after step {step}; {saver.last} is saved. "
+            f"Run the same command with hydra.run.dir={saver.run_dir} to resume."
+        )
 
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """Outside training, SIGTERM interrupts as Ctrl-C does (a KeyboardInterrupt), so that the
-    run can say where it stopped (`interrupted`); within it, StopSignals asks training to stop
-    at a step. Python handles signals in the main thread only: elsewhere, nothing changes."""
+    """Outside training, SIGTERM interrupts as Ctrl-C does, so the run can say where it stopped
+    (`interrupted`). Python handles signals in the main thread only: elsewhere, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -75,10 +78,9 @@ def signals_interrupt() -> Iterator[None]:
 
 
 def interrupted(process: Process, when: str) -> Stopped:
-    """The sentence for a signal outside training (`when`: where the run was, and what is
-    kept); ranks other than 0 end quietly, as at a stop during training."""
+    """The sentence for a signal outside training (`when`: where the run was, and what is kept)."""
     if not process.is_main:
-        sys.exit(1)
+        sys.exit(1)  # quietly, as at a stop during training
     return Stopped(f"Stopped by a signal {when}.")
 
 
@@ -89,15 +91,3 @@ def during_the_test(step: int, checkpointer: Checkpointer) -> str:
         kept = f"{checkpointer.run_dir}/checkpoints holds its weights (test one with train=false "
         kept += "ckpt_path=...)"
     return f"after training ended at step {step}, during the test; {kept}"
-
-
-def stop_now(process: Process, checkpointer: Checkpointer, step: int) -> NoReturn:
-    """End the run after a stop signal, with the command that resumes it."""
-    if not process.is_main:
-        sys.exit(1)  # quietly: rank 0 tells the user
-    if not checkpointer.policy.save:
-        raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
-    raise Stopped(
-        f"Stopped by a signal after step {step}; {checkpointer.last} is saved. "
-        f"Run the same command with hydra.run.dir={checkpointer.run_dir} to resume."
-    )

@@ -1,17 +1,11 @@
-"""Starting DDP workers: `python train.py parallel=ddp` launches them itself, through PyTorch's own
-launcher API (`elastic_launch`, the code torchrun runs), and every DDP worker, self-launched or
-started by torchrun, reports a failure the same way: once, in torchrun's error file.
-
-Also the plumbing between torchrun and Hydra (at the end): the command line each worker hands
-Hydra, the run folder a restarted worker group takes up, the rendezvous store of each restart,
-the worker's exit. Each workaround names the upstream issue it works around, and when it can go.
-"""
+"""Starting DDP workers through PyTorch's launcher API (`elastic_launch`, what torchrun runs), and
+reporting a worker's failure once, in torchrun's error file, whoever started it. At the end, the
+plumbing between torchrun and Hydra: each workaround names its upstream issue and when it can go."""
 
 from __future__ import annotations
 
 import importlib
 import json
-import logging
 import logging.config
 import os
 import re
@@ -49,28 +43,19 @@ class WorkerFailed(CompactHydraException):
 
 
 def starts_workers_here(in_group: bool) -> bool:
-    """A mode of a process group (ddp, fsdp) started without torchrun: this process launches
-    the workers."""
+    """Whether this process starts the workers: a process group's mode (ddp, fsdp), no torchrun."""
     return in_group and not any(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
 def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, nproc: int) -> Any:
-    """Run `train(cfg, run_dir)` in `nproc` processes of a process group on this machine and
-    return rank 0's result.
-
-    The workers get the config already composed and resolved, and this job's run folder, so a
-    multirun job's workers train that job. They log as torchrun's would: rank 0 like this process
-    (console and train.log), the others warnings only. Each imports `train` by its module and name:
-    the function object itself may have reached this process pickled by value (submitit does
-    that to train.py's functions), and nothing it carries says where its code lives.
-    """
+    """Run `train(cfg, run_dir)` in `nproc` processes on this machine, in this job's run folder, and
+    return rank 0's result. The workers import `train` by module and name: submitit may have
+    pickled it by value, and then nothing it carries says where its code lives."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    target = importable_name(train)
     hydra = HydraConfig.get()
-    # The workers' error files, in a folder removed after them (torch's own default, a
-    # torchelastic_* folder in the temporary directory, is left behind).
+    # The workers' error files, in a folder removed after them (torch's default is left behind).
     logs = Path(tempfile.mkdtemp(prefix="train-workers-"))
     config = LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
@@ -81,28 +66,25 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone picks
         max_restarts=0,
-        monitor_interval=0.1,
         start_method="spawn",
     )
     log.info("Starting %d processes", nproc)
     args = (
-        target,
+        importable_name(train),
         OmegaConf.to_container(cfg, resolve=True),
         hydra.runtime.output_dir,
         OmegaConf.to_container(hydra.job_logging, resolve=True),
         max(1, (os.cpu_count() or 1) // nproc),
     )
-    # The launcher logs each failure with its own traceback, and a signal it passes on; the
-    # first failure is reported below, and the workers say what a signal did. Each of its modules
-    # sets its own logger's level, so each is quietened.
-    elastic = [
-        logging.getLogger(name)
+    # Quieten the launcher (each module sets its own level), which logs each failure's traceback
+    # and each signal it passes on: the first failure is reported below, a signal by the workers.
+    levels = {
+        name: logging.getLogger(name).level
         for name in list(logging.root.manager.loggerDict)
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
-    ]
-    levels = [logger.level for logger in elastic]
-    for logger in elastic:
-        logger.setLevel(logging.CRITICAL)
+    }
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker)(*args)
     except SignalException:  # SIGTERM or Ctrl-C: passed on to the workers, which stopped at a
@@ -116,21 +98,17 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
             message = f"rank {rank}: {message}. The other processes were stopped."
         raise WorkerFailed(message) from None
     finally:
-        for logger, level in zip(elastic, levels, strict=True):
-            logger.setLevel(level)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
         shutil.rmtree(logs, ignore_errors=True)
     return results[0]
 
 
 def _worker(
-    train: tuple[str, str],
-    config: dict[str, Any],
-    run_dir: str,
-    job_logging: dict[str, Any],
-    threads: int,
+    train: tuple[str, str], config: dict, run_dir: str, job_logging: dict, threads: int
 ) -> Any:
-    """One self-launched DDP process (the environment torchrun would set is set): runs the
-    function `train` names (module, function) on the config."""
+    """One self-launched DDP process, in torchrun's environment: runs the function `train` names
+    (module, function) on the config."""
     if os.environ["RANK"] == "0":
         logging.config.dictConfig(job_logging)
     else:
@@ -154,12 +132,9 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
 
 
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:
-    """`train(*args)` in a DDP worker: a failure exits with status 1 and is written to torchrun's
-    error file, from where torchrun (or `start_workers`) reports the first failing rank, once.
-
-    A user's mistake is recorded as its message alone, anything else with its traceback. Only a
-    stop on a signal is also printed here: torchrun, stopped by the signal too, reports nothing.
-    """
+    """`train(*args)` in a DDP worker: a failure exits with 1 and is written to torchrun's error
+    file (a user's mistake as its message, anything else with its traceback), for the launcher to
+    report once. A stop on a signal is also printed: torchrun, stopped too, reports nothing."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return train(*args)
@@ -170,9 +145,7 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
             print(err, file=sys.stderr)
         if getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
             leave_it_to_local_rank_0(Path(error_file))
-        record = {"message": str(err), "timestamp": int(time.time())}
-        Path(error_file).write_text(json.dumps(record))
-        exit_worker(1)  # as recorded: the interpreter's teardown could make it a SIGABRT
+        _fail(Path(error_file), str(err))
     except Exception:  # noqa: BLE001 - recorded with its traceback, for the launcher to show
         ErrorHandler().record_exception(sys.exc_info()[1])
     # A crash, often a collective that lost a killed peer: through the teardown, which leaves
@@ -182,42 +155,34 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
 
 
 def leave_it_to_local_rank_0(error_file: Path, wait: float = 5.0) -> None:
-    """A mistake every rank finds alike is told by local rank 0: torchrun quotes every failed
-    rank's error, so the others wait for the launcher to stop them once rank 0 has failed, and
-    record only that (after rank 0's failure: its stays torchrun's root cause). If it does not
-    come within `wait` seconds, they tell the mistake themselves."""
-
-    def stopped(*_: Any) -> None:
-        message = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
-        error_file.write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-        exit_worker(1)
-
-    signal.signal(signal.SIGTERM, stopped)
+    """A mistake every rank finds alike is told by local rank 0 alone (torchrun quotes every failed
+    rank's error): the others wait `wait` seconds for the launcher to stop them and record only
+    that, after rank 0's failure, which stays the root cause. Else they tell it themselves."""
+    message = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
+    signal.signal(signal.SIGTERM, lambda *_: _fail(error_file, message))
     time.sleep(wait)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _fail(error_file: Path, message: str) -> None:
+    """Record `message` as this worker's failure and exit with 1, as recorded (`exit_worker`)."""
+    error_file.write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    exit_worker(1)
 
 
 # Launcher plumbing: what torchrun and Hydra need from each other.
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
-    """The command line to hand Hydra, fixed up for the launcher. Runs before Hydra parses it.
-
-    - The legacy `python -m torch.distributed.launch` appends `--local-rank=N`, which Hydra would
-      reject: take it out (its value is also in the LOCAL_RANK variable). Hydra reads every
-      argument as an override (the failure seen in facebookresearch/fairseq#4164); this can go
-      when PyTorch removes the deprecated launcher.
-    - Ranks other than 0 write nothing: no `.hydra/` folder and no log file, and no run folder of
-      their own (each rank resolving `${now:...}` itself would make one per rank when ranks start in
-      different seconds: facebookresearch/hydra#2070, ashleve/lightning-hydra-template#393). They
-      learn rank 0's run folder in `shared_run_dir`. This can go when Hydra hands one resolved
-      run folder to every process of a job.
-    """
+    """The command line to hand Hydra, fixed up before it parses it. The legacy launcher's
+    `--local-rank=N` is taken out, or Hydra rejects it (facebookresearch/fairseq#4164); can go with
+    that launcher. Ranks other than 0 write no `.hydra/`, log or run folder (`${now:...}` makes one
+    per rank: facebookresearch/hydra#2070, ashleve/lightning-hydra-template#393) and use rank 0's
+    (`shared_run_dir`); can go when Hydra gives every process of a job one resolved run folder."""
     global _legacy_launcher
     args = []
     for arg in argv:
-        match = LEGACY_LOCAL_RANK.fullmatch(arg)
-        if match:
+        if match := LEGACY_LOCAL_RANK.fullmatch(arg):
             _legacy_launcher = True
             os.environ.setdefault("LOCAL_RANK", match.group(1))
         else:
@@ -231,20 +196,15 @@ def hydra_argv(argv: list[str]) -> list[str]:
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
     elif (anchor := restart_anchor()) and anchor.is_file():
-        # torchrun restarted the workers: rank 0 takes up the first attempt's run folder, where
-        # resume=auto finds its last.pt.
+        # a torchrun restart: rank 0 takes up the first attempt's folder (resume=auto finds last.pt)
         args.append(f"hydra.run.dir='{anchor.read_text()}'")
     return args
 
 
 def restart_anchor() -> Path | None:
-    """A file that belongs to this torchrun invocation and outlives its worker restarts.
-
-    torchrun keeps each attempt's error files in {log dir}/{run id}_{suffix}/attempt_{N}/{local
-    rank}/error.json; the folder above attempt_{N} is the same for every attempt. A restarted
-    worker is a new process, in which Hydra would make a new run folder (facebookresearch/hydra#2070
-    again); the anchor can go with that issue.
-    """
+    """A file of this torchrun invocation that outlives its worker restarts, in each of which Hydra
+    would make a new run folder (facebookresearch/hydra#2070); can go with that issue."""
+    # {log dir}/{run id}_{suffix}/attempt_{N}/{local rank}/error.json: the anchor beside attempt_{N}
     error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
     if not error_file.parent.parent.name.startswith("attempt_"):
         return None
@@ -257,12 +217,11 @@ def legacy_launcher_used() -> bool:
 
 
 def check_port_free(init_method: str) -> None:
-    """Stop before the rendezvous if its port is taken (by another run, most often).
-
-    Not a workaround, a message: without it, a taken port surfaces as a DistNetworkError
-    traceback from deep inside init_process_group."""
+    """Stop before the rendezvous if its port is taken (by another run, most often): a message,
+    not a workaround, instead of a DistNetworkError traceback from inside init_process_group."""
     url = urlsplit(init_method)
-    port = int(os.environ["MASTER_PORT"]) if url.scheme == "env" else url.port
+    env = url.scheme == "env"
+    port = int(os.environ["MASTER_PORT"]) if env else url.port
     if port is None:
         return
     with socket.socket() as probe:
@@ -270,13 +229,14 @@ def check_port_free(init_method: str) -> None:
         try:
             probe.bind(("", port))
         except OSError:
-            where, fix = (
-                (f"{init_method}, MASTER_PORT", "Choose a free port, or let torchrun choose one: "
-                 "torchrun --standalone ... or --rdzv-endpoint=localhost:0.")
-                if url.scheme == "env"
-                else (f"parallel.init_method={init_method}", "Choose a free port in it, or leave "
-                      "parallel.init_method at env:// (a free port is picked).")
-            )  # fmt: skip
+            where = f"{init_method}, MASTER_PORT" if env else f"parallel.init_method={init_method}"
+            fix = (
+                "Choose a free port, or let torchrun choose one: torchrun --standalone ... or "
+                "--rdzv-endpoint=localhost:0."
+                if env
+                else "Choose a free port in it, or leave parallel.init_method at env:// (a free "
+                "port is picked)."
+            )
             raise UserError(
                 f"Port {port} of the rendezvous ({where}) is in use, probably by another run. {fix}"
             ) from None
@@ -302,16 +262,11 @@ def check_rendezvous(init_method: str) -> None:
 
 
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
-    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own.
-
-    torchrun keeps one store for all restarts of a worker group, and the keys an earlier attempt
-    left there (each rank's gloo address) make a restarted group connect to dead processes
-    (torch 2.14, pytorch/pytorch#135712). With one torchrun agent, the attempt is its restart
-    count, the same for every rank (a rank killed before it counted anything cannot fall behind).
-    Across machines each agent counts its own restarts (one also restarts, uncounted, when another
-    machine's workers fail), so there each rank counts its attempts in the store. This can go
-    when torchrun gives each restart a store of its own.
-    """
+    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own:
+    torchrun keeps one for all restarts, and an earlier attempt's keys (each rank's gloo address)
+    make a restarted group connect to dead processes (torch 2.14, pytorch/pytorch#135712); can go
+    when each restart gets a store of its own. The attempt is the one agent's restart count, or,
+    across machines (where an agent also restarts uncounted), each rank's own count in the store."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
@@ -332,12 +287,10 @@ def shared_run_dir(process: Any, run_dir: Path | None = None) -> Path:
 
 def quiet_logging(rank: int) -> None:
     """Ranks other than 0 print warnings and errors only, prefixed with their rank."""
-    root = logging.getLogger()
-    root.setLevel(logging.WARNING)
-    for handler in root.handlers:
-        handler.setFormatter(
-            logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-        )
+    logging.root.setLevel(logging.WARNING)
+    formatter = logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    for handler in logging.root.handlers:
+        handler.setFormatter(formatter)
 
 
 def under_torchrun() -> bool:
@@ -346,16 +299,14 @@ def under_torchrun() -> bool:
 
 
 def remove_torchrun_folder() -> None:
-    """Remove torchrun's folder of the workers' error files (torchelastic_* in the temporary
-    directory, where no --log-dir names another), which torchrun leaves behind, once this
-    machine's run succeeded: local rank 0 does, where the folder holds nothing of torchrun's (an
-    earlier attempt's error, --redirects' logs), only this run's restart anchor."""
+    """Once this machine's run succeeded, local rank 0 removes the folder of error files torchrun
+    leaves behind (torchelastic_* in the temporary directory, with no --log-dir), if it holds
+    nothing of torchrun's (an earlier attempt's error, --redirects' logs), only the anchor."""
     if os.environ.get("LOCAL_RANK") != "0" or not (anchor := restart_anchor()):
         return
     folder = anchor.parents[1]  # {folder}/{run id}_{suffix}/run_dir
-    torchruns = folder.name.startswith("torchelastic_")  # by default, under the temporary directory
     if (
-        torchruns
+        folder.name.startswith("torchelastic_")
         and folder.parent == Path(tempfile.gettempdir())
         and all(path == anchor or path.is_dir() for path in folder.rglob("*"))
     ):
@@ -363,16 +314,11 @@ def remove_torchrun_folder() -> None:
 
 
 def exit_worker(status: int = 0) -> None:
-    """End a DDP worker whose work is done (or whose failure is recorded) with `status`, its
-    output flushed, skipping the interpreter's teardown.
-
-    With the gloo backend, PyTorch can abort a process while the interpreter tears down
-    ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed
-    run although every rank finished. Seen here with torch 2.14 in about 1 of 10 runs of 3 ranks
-    on 2 busy cores, also with no DDP and no destroy_process_group; never with this exit. Gloo's
-    threads outlive the interpreter's finalization (pytorch/pytorch#179291 proposed destroying
-    process groups at exit and was abandoned in 2026); this can go when a release does that.
-    """
+    """End a finished (or failed, and recorded) DDP worker with `status`, its output flushed but the
+    interpreter's teardown skipped: there, with gloo, torch 2.14 can SIGABRT ("terminate called
+    without an active exception"; 1 in 10 runs of 3 ranks on 2 busy cores, never with this exit),
+    which torchrun reports as a failure. Gloo's threads outlive finalization (abandoned fix:
+    pytorch/pytorch#179291); can go when a release destroys process groups at exit."""
     if status == 0:
         remove_torchrun_folder()
     if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service

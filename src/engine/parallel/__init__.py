@@ -1,10 +1,10 @@
-"""The parallel modes: one strategy each, behind the protocol of `Strategy`, and the `Process` a
-strategy sets up (this rank: its device and its collectives).
+"""The parallel modes, one strategy each, and the `Process` a strategy sets up (this rank: its
+device, its collectives).
 
-A strategy is a dataclass whose fields are its mode's keys, which `conf/parallel/<mode>.yaml`
-sets and names by `_target_`. Whatever differs between modes is one of its methods, so the loop,
-the checkpoint and the data ask it and never the mode's name. `Strategy` itself is one process on
-one device (`parallel=none`); every other mode overrides what it changes.
+A strategy is a dataclass whose fields are its mode's keys (`conf/parallel/<mode>.yaml` names it
+by `_target_`); whatever differs between modes is one of its methods, so the loop, the checkpoint
+and the data ask it, never the mode's name. `Strategy` is one process on one device; every other
+mode overrides what it changes.
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ import pkgutil
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from hydra.utils import get_class
 from torch import nn
 
-from src.engine.errors import UserError, first_line, typed, where
-
-if TYPE_CHECKING:
-    from pathlib import Path
+from src.engine.errors import Checked, UserError
 
 
 @dataclass(frozen=True)
@@ -87,21 +83,22 @@ class Process:
 
 
 @dataclass
-class Strategy:
+class Strategy(Checked):
     """One process on one device (parallel=none), and the protocol every mode answers."""
 
+    section = "parallel"
     name: ClassVar[str] = "none"  # how messages and logs call the mode
     in_group: ClassVar[bool] = False  # a process per device in a process group (torchrun's)
     replicated: ClassVar[bool] = True  # every rank holds the whole model (the drift guard checks)
-    even_eval: ClassVar[bool] = (
-        False  # every evaluation forward is collective: as many on each rank
-    )
-    shards_checkpoints: ClassVar[bool] = False  # can write checkpoint.sharded=true's shards
+    even_eval: ClassVar[bool] = False  # evaluation's forwards are collective: as many on each rank
+    # Writes and reads checkpoint.sharded=true's shards (save_shards, load_shards, saved_tensors).
+    shards_checkpoints: ClassVar[bool] = False
     drift_every: ClassVar[int | str | None] = None  # the drift guard's checks (ddp's key)
     syncs_batchnorm: ClassVar[bool] = False  # takes parallel.sync_batchnorm=true
     sync_batchnorm: bool = False  # DDP only (nn.SyncBatchNorm): see conf/parallel/ddp.yaml
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sync_batchnorm and not self.syncs_batchnorm:
             raise UserError(
                 "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
@@ -147,11 +144,11 @@ class Strategy:
         """Seed what this mode draws random numbers on beyond the default generators."""
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a sharded tensor; any other tensor as it is."""
+        """This rank's part of a sharded tensor."""
         return tensor
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole of a sharded tensor (a collective); any other tensor as it is."""
+        """The whole of a sharded tensor (a collective)."""
         return tensor
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -176,19 +173,6 @@ class Strategy:
     ) -> None:
         optimizer.load_state_dict(state)
 
-    def save_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-        """checkpoint.sharded=true: each rank writes its shards into `folder`."""
-        raise NotImplementedError(f"parallel={self.name} writes no shards")
-
-    def load_shards(
-        self, model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
-    ) -> None:
-        raise NotImplementedError(f"parallel={self.name} reads no shards")
-
-    def saved_tensors(self, folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The model's tensors the shards in `folder` hold: each one's whole shape and dtype."""
-        raise NotImplementedError(f"parallel={self.name} reads no shards")
-
 
 # What the loop, the checkpoint and the launcher call: a class that lacks one is refused.
 PROTOCOL = tuple(
@@ -196,27 +180,6 @@ PROTOCOL = tuple(
     for name, value in vars(Strategy).items()
     if not name.startswith("_") and (callable(value) or name in Strategy.__annotations__)
 )
-
-
-def build(node: Any) -> Strategy:
-    """The strategy a `parallel:` node names by `_target_`, its fields checked by their types."""
-    target = node.get("_target_")
-    try:
-        cls = get_class(target)
-    except Exception as err:  # noqa: BLE001 - hydra wraps what the import raised
-        raise UserError(
-            f"parallel._target_={target} cannot be imported ({first_line(err)}): name a strategy "
-            "class (conf/parallel/ holds the template's).",
-            every_rank=True,
-        ) from None
-    if missing := [name for name in PROTOCOL if not hasattr(cls, name)]:
-        raise UserError(
-            f"parallel: {cls.__name__} ({where(cls)}) has no {', '.join(missing)}: a strategy "
-            "answers the whole protocol of src/engine/parallel/__init__.py; subclass Strategy (or "
-            "the mode it varies) to inherit what it does not change.",
-            every_rank=True,
-        )
-    return typed(cls, node, "parallel", exclude=("_target_",))
 
 
 def strategies() -> list[type[Strategy]]:

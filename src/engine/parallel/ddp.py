@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from src.engine.errors import UserError, refuse
+from src.engine.errors import UserError, above, refuse
 from src.engine.parallel import compiled
 from src.engine.parallel.group import GroupStrategy
 
@@ -23,7 +23,7 @@ class DDP(GroupStrategy):
     syncs_batchnorm: ClassVar[bool] = True
     # Search each step for parameters that got no gradient (slower).
     find_unused_parameters: bool = False
-    bucket_cap_mb: float = 25  # MiB of gradients all-reduced together in one bucket
+    bucket_cap_mb: float = above(0, 25)  # MiB of gradients all-reduced together in one bucket
     gradient_as_bucket_view: bool = False  # gradients alias the all-reduce buckets (less memory)
     static_graph: bool = False  # promise the same parameters are used every step (optimisations)
     # BatchNorm with batch statistics over all ranks' shares (nn.SyncBatchNorm; CUDA only).
@@ -34,8 +34,6 @@ class DDP(GroupStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.bucket_cap_mb > 0:
-            refuse("parallel.bucket_cap_mb", self.bucket_cap_mb, "a number above 0")
         every = self.check_sync_every_n_steps
         steps = isinstance(every, int) and not isinstance(every, bool) and every >= 1
         if not (steps or every in (None, "eval")):

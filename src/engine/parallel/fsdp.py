@@ -1,20 +1,13 @@
 """parallel=fsdp: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), and its state dicts.
 
-Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state; a module's
-full weights are gathered for its forward and backward only. Checkpoints stay plain: the full
-`state_dict` and `optimizer.state_dict()` one process would save (gathered with
-`torch.distributed.checkpoint.state_dict`, written by rank 0), so they load into every mode.
-`checkpoint.sharded=true` instead writes `torch.distributed.checkpoint`'s sharded format, each
-rank its own part, for models too large to gather on one rank.
-
-FSDP itself and `torch.distributed.checkpoint` are imported inside the functions that use them:
-together they take about three quarters of a second to import (DTensor's operators), which
-every process of every other mode would otherwise pay at start.
+Each rank holds 1/N of every parameter, gradient and optimizer state. Checkpoints stay plain
+(what one process would save, gathered onto rank 0), so they load into every mode;
+`checkpoint.sharded=true` writes each rank's part with `torch.distributed.checkpoint` instead.
+FSDP and that module are imported where used: their 0.75 s would slow every other mode's start.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,8 +26,7 @@ from src.engine.parallel.group import GroupStrategy
 
 @dataclass
 class FSDP(GroupStrategy):
-    """FSDP2's `fully_shard` over the ranks: each holds 1/N of the weights, the gradients and the
-    optimizer state, and gathers a unit's weights for its forward and backward only."""
+    """FSDP2's `fully_shard`: a rank gathers a unit's weights for its forward and backward only."""
 
     name: ClassVar[str] = "fsdp"
     replicated: ClassVar[bool] = False
@@ -42,8 +34,7 @@ class FSDP(GroupStrategy):
     shards_checkpoints: ClassVar[bool] = True
     # Module classes (by name) sharded as units of their own; the rest of the model is one more.
     shard_modules: list[str] = field(default_factory=lambda: ["Linear", "Conv2d"])
-    # Free a unit's gathered weights after its forward and gather them again for the backward
-    # (less memory, more communication).
+    # Free a unit's weights after its forward, gather them again for the backward: less memory.
     reshard_after_forward: bool = True
     find_unused_parameters: bool = False  # DDP's: true is refused here (FSDP needs no search)
 
@@ -86,25 +77,32 @@ class FSDP(GroupStrategy):
             model.set_requires_gradient_sync(True)
 
     def scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
-        """Each rank sees a part of the gradients: this scaler agrees with the others on
-        overflows. (Imported here: 0.5 s, which no other mode pays.)"""
+        """Each rank sees part of the gradients: this scaler agrees with the others on overflows."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, enabled=enabled)
 
+    # A DTensor is told by its methods: DTensor itself is not imported for this.
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if _is_dtensor(tensor) else tensor
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return model_state(self.unwrap(model))
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.unwrap(model), options=_gathered_on_rank_0())
 
     def load_model_state(
         self, model: nn.Module, state: dict[str, torch.Tensor], process: Process
     ) -> None:
-        load_model_state(self.unwrap(model), state, process.is_main)
+        """Each rank receives its shards of the full `state` from rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        state = dict(state) if process.is_main else {}
+        set_model_state_dict(self.unwrap(model), state, options=options)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer_state(self.unwrap(model), optimizer)
@@ -115,15 +113,48 @@ class FSDP(GroupStrategy):
         load_optimizer_state(self.unwrap(model), optimizer, state)
 
     def save_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-        save_sharded(self.unwrap(model), optimizer, folder)
+        """Write each rank's shards of the model and the optimizer into the existing `folder`. A
+        write the storage refused on any rank is raised as that OSError, on every rank."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.unwrap(model), optimizer)
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+        except dcp.api.CheckpointException as err:
+            refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
+            if refused:
+                raise refused[0] from None
+            raise
 
     def load_shards(
         self, model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
-        load_sharded(self.unwrap(model), folder, optimizer)
+        """Load the model's shards from `folder` (or, given the `optimizer`, its shards only),
+        saved with any number of ranks: each rank reads the parts of its own shards."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        model = self.unwrap(model)
+        if optimizer is None:
+            state = {"model": dsd.get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=folder)
+            dsd.set_model_state_dict(model, state["model"])
+        else:
+            state = {"optimizer": dsd.get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=folder)
+            dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
     def saved_tensors(self, folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return saved_tensors(folder)
+        """The model's tensors that the shards in `folder` hold, by name: whole shape and dtype."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+        return {
+            name.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
+            for name, meta in saved.items()
+            if name.startswith("model.") and hasattr(meta, "size")
+        }
 
 
 def shard(
@@ -133,10 +164,8 @@ def shard(
     dtype: torch.dtype | None,
     device: torch.device,
 ) -> nn.Module:
-    """Shard each module whose class is named in `units` as its own unit, then the rest of the
-    model as the root unit, over all the ranks on `device`'s type. `dtype` (bf16, float16) is the
-    precision of the forward and backward; the sharded weights, the optimizer and the gradients'
-    reduction stay float32."""
+    """Shard each module whose class `units` names as a unit, then the rest as the root one. `dtype`
+    (bf16, float16) runs the forward and backward; weights, optimizer and reduction stay float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     found = {type(m).__name__ for m in model.modules()}
@@ -148,8 +177,7 @@ def shard(
         )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not the GPU of a CPU run
     low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    # BatchNorm in float32, as autocast runs it: beside its float32 statistics a low-precision
-    # weight is refused.
+    # BatchNorm in float32, as autocast runs it: a low-precision weight beside its stats is refused.
     batch_norm = MixedPrecisionPolicy(param_dtype=torch.float32)
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     for module in reversed(list(model.modules())[1:]):  # a unit's inner units first
@@ -160,43 +188,16 @@ def shard(
     return fully_shard(model, mp_policy=low, **options)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
-    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
-
-
 def _gathered_on_rank_0() -> Any:
-    """The state dict options that gather a whole state onto rank 0's CPU only (the other ranks
-    get {}): no rank holds two copies on its device, and only rank 0 writes the file."""
+    """Gather onto rank 0's CPU only ({} elsewhere): no device holds two copies, rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unsharded `state_dict`, on rank 0's CPU ({} on the other ranks; every rank
-    calls it)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_gathered_on_rank_0())
-
-
-def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], is_main: bool) -> None:
-    """Load a full `state_dict` that rank 0 holds into the sharded `model`: each rank receives
-    its shards from rank 0 (every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(state_dict) if is_main else {}, options=options)
-
-
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The full `optimizer.state_dict()` as one process's optimizer would give it, on rank 0
-    ({} on the others; every rank calls it).
-
-    PyTorch gathers it keyed by parameter names; a plain optimizer numbers its parameters in
-    order through its parameter groups, which is what is saved, so that it loads anywhere.
-    """
+    """The full `optimizer.state_dict()` on rank 0 ({} on the others), its parameters numbered as a
+    plain optimizer's (PyTorch gathers them by name), so that it loads anywhere."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer, options=_gathered_on_rank_0())
@@ -209,8 +210,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 def load_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """Load a full, plain `optimizer.state_dict()` (numbered parameters) into the optimizer of
-    the sharded `model`; every rank holds `state` and keeps its own shards of it."""
+    """Load a plain `optimizer.state_dict()`, which every rank holds, into the sharded `model`'s."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings only
@@ -219,9 +219,8 @@ def load_optimizer_state(
     names = {id(p): name for name, p in model.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = _rekeyed(state, ordered)
-    # PyTorch maps each saved group key onto the optimizer's own: one it lacks (the initial_lr of
-    # the saved run's schedule, built here after this) is left out. The settings are this
-    # config's anyway (resume.apply_settings); only the moments continue.
+    # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this) are left
+    # out: the settings are this config's anyway (resume.apply_settings), the moments continue.
     state["param_groups"] = [
         {k: v for k, v in saved.items() if k in group or k == "params"}
         for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
@@ -232,8 +231,7 @@ def load_optimizer_state(
 
 
 def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
-    """The optimizer state dict `state` with each parameter's key `k` replaced by `key[k]`
-    (numbers for names, or names for numbers)."""
+    """`state` with each parameter's key `k` replaced by `key[k]` (numbers for names, or back)."""
     return {
         "state": {key[k]: value for k, value in state["state"].items()},
         "param_groups": [
@@ -241,62 +239,3 @@ def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
             for group in state["param_groups"]
         ],
     }
-
-
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Write the model's and the optimizer's shards into the existing `folder`, each rank its own
-    file, in `torch.distributed.checkpoint`'s format (every rank calls it). A write the storage
-    refused on any rank is raised as that OSError, on every rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
-    try:
-        dcp.save(state, checkpoint_id=folder)
-    except dcp.api.CheckpointException as err:
-        refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
-        if refused:
-            raise refused[0] from None
-        raise
-
-
-def saved_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The model's tensors that the shards in `folder` hold, by name: each whole shape, and its
-    dtype."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
-    return {
-        name.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
-        for name, meta in saved.items()
-        if name.startswith("model.") and hasattr(meta, "size")
-    }
-
-
-def load_sharded(
-    model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Load the model's shards from `folder` (or, given the `optimizer`, its shards only), saved
-    by `save_sharded` with any number of ranks: each rank reads the parts of its own shards."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=folder)
-        set_model_state_dict(model, state["model"])
-    else:
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=folder)
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])

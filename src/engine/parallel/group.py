@@ -14,13 +14,11 @@ import torch
 import torch.distributed as dist
 
 from src.engine import launch
-from src.engine.errors import UserError, at_least, first_line, refuse
+from src.engine.errors import UserError, above, first_line, least, one_of, refuse
 from src.engine.parallel import Process, Strategy
 from src.engine.parallel.devices import pick_device, rank_gpu
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -29,19 +27,14 @@ class GroupStrategy(Strategy):
 
     in_group: ClassVar[bool] = True
     # Processes `python train.py` starts (null = one per GPU, or 2 on a CPU); torchrun sets its own.
-    nproc_per_node: int | None = None
-    backend: str = "auto"  # auto = nccl with CUDA, gloo otherwise; or nccl, gloo
+    nproc_per_node: int | None = least(1, None, nullable=True)
+    backend: str = one_of("auto", "nccl", "gloo", default="auto")  # auto: nccl with CUDA, else gloo
     # env:// (torchrun's MASTER_ADDR/MASTER_PORT), tcp://HOST:PORT or file:///PATH.
     init_method: str = "env://"
-    timeout: float = 1800  # seconds a collective may wait for the other ranks before failing
+    timeout: float = above(0, 1800)  # seconds a collective waits for the other ranks, then fails
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        at_least("parallel.nproc_per_node", self.nproc_per_node, 1, nullable=True)
-        if self.backend not in BACKENDS:
-            refuse("parallel.backend", self.backend, "auto, nccl or gloo")
-        if not self.timeout > 0:
-            refuse("parallel.timeout", self.timeout, "a number above 0")
         check_init_method(self.init_method)
 
     def processes(self, device: str) -> int:

@@ -1,33 +1,18 @@
-"""`python train.py debug=equivalence <your overrides>`: does DDP (or FSDP, with parallel=fsdp)
-train your config exactly as one process does?
-
-It trains `debug.steps` optimizer steps of the config as composed (model, optimizer, schedule,
-batches) in up to four layouts, from the same initial weights on the same global
-batches: one process on whole batches (the reference), one process in micro-batches (gradient
-accumulation), 2 DDP processes, and 2 DDP processes in micro-batches. Then it evaluates each
-layout's weights on the validation and test splits, prints a table and a verdict, and exits 1
-when a layout differs from the reference by more than float rounding, with the likely causes it
-can see. The DDP processes are gloo processes on the CPU, or nccl processes on 2 GPUs where there
-are 2; with parallel=fsdp in the overrides they are FSDP processes instead.
-
-The layouts train in float64 (`debug.precision=64`, the default): float32 rounding, carried on by
-training, tips near ties and is magnified by adaptive optimizers, and would pass for a
-difference; float64's is 5e8 times finer. `debug.precision=train` compares in the precision the
-config trains in (trainer.precision), with that precision's tolerance; so does a model that
-cannot run in float64 (a float32 tensor made inside its forward), with the reason said.
-
-Dropout layers are switched off in every layout: each process draws its own masks, so with
-them no two layouts could agree. Randomness of any other kind is one of the causes named.
+"""`python train.py debug=equivalence <overrides>`: does DDP (or FSDP) train your config exactly as
+one process does? It trains `debug.steps` steps with the engine's own loop in up to four layouts
+from the same weights on the same batches (one process, the reference; micro-batches; 2 DDP or FSDP
+processes; both), prints a table and a verdict, and exits 1 naming the likely causes where a layout
+differs by more than rounding. It compares in float64 (unless debug.precision=train, or the model
+cannot run in it): float32's rounding, carried on by training and magnified by adaptive optimizers,
+would pass for a difference. Dropout is off: each process would draw its own masks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import field
 from pathlib import Path
 
@@ -38,45 +23,46 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.engine import checkpoint, launch, parallel
-from src.engine.build import build_model, build_parts, configure_kernels
+from src.engine.build import (
+    build_model,
+    build_parts,
+    build_strategy,
+    configure_kernels,
+    instantiated,
+    read_settings,
+)
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import Settings, Trainer, read_settings
+from src.engine.config import Settings, Trainer
 from src.engine.core.context import Hook, Hooks, Run
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import fit
 from src.engine.core.state import Parts, Progress
 from src.engine.core.task import Task
-from src.engine.data import Data
-from src.engine.errors import UserError, first_line, instantiated
+from src.engine.errors import UserError, first_line
 from src.engine.guards import drift
 from src.engine.parallel import Process
 from src.engine.parallel.devices import pick_device
 
 log = logging.getLogger("equivalence")
 
-PRECISIONS = ("64", "train")  # debug.precision: float64, or the config's own
-
 PROCESSES = 2
-# Float rounding: sums taken in another order (2 processes' shares, micro-batches) differ in their
-# last bits, and training carries that on. Measured over 20 steps of Fashion-MNIST on the CPU:
-# the CNN within 3e-7 in float32, 4.2e-16 in float64; a small ViT with Adam (the tests' data)
-# within 1.4e-13 in float64, where float32 differed by 8.8e-5; a real difference (BatchNorm on
-# half a batch, randomness in the model) was 7e-2 or more. bfloat16, float16 and TF32 matmuls
-# (matmul_precision=high) round at 4e-3, 5e-4 and 1e-3 in each operation: their bound is wide,
-# and ranks that drift apart fail the check anyway.
+# Float rounding: sums in another order (processes' shares, micro-batches) differ in their last
+# bits, and training carries that on. Measured over 20 Fashion-MNIST steps on the CPU: the CNN
+# within 3e-7 in float32 and 4.2e-16 in float64, a small ViT with Adam within 1.4e-13 in float64
+# (8.8e-5 in float32); real differences (BatchNorm on half a batch, randomness) were 7e-2 or more.
+# bfloat16, float16 and TF32 matmuls (matmul_precision=high) round at 4e-3, 5e-4 and 1e-3 per
+# operation: their bound is wide, and ranks that drift apart fail the check anyway.
 FLOAT64, FLOAT32, LOWER_PRECISION = 1e-9, 1e-5, 1e-2
-# A gradient this small against the model's largest is float rounding of a gradient that is 0
-# (float32's rounding is 1.2e-7 of the terms summed; a real gradient is rarely 1e-6 of the largest).
+# A gradient this small against the largest is rounding of a 0 one (float32 rounds at 1.2e-7 of
+# the terms summed; a real gradient is rarely 1e-6 of the largest).
 ZERO_GRADIENT = 1e-6
-# A loss difference that first passes the tolerance at this many times the largest before it
-# jumped: a near tie flipped. (Rounding's differences grew at most 3 times from one step to the
-# next, measured over 40 float32 steps of the MLP and of a small ViT.)
+# A loss difference that first passes the tolerance at this many times its largest before: a near
+# tie flipped (rounding's grew at most 3 times a step over 40 float32 steps of the MLP and a ViT).
 JUMP = 20
-# The optimizer state of optimizers that divide each gradient by its own running size (Adam,
-# AdamW, RMSprop, Adagrad, Adadelta, Adamax): rounding noise of a zero gradient becomes a step.
+# The state of optimizers that divide each gradient by its running size (Adam, AdamW, RMSprop,
+# Adagrad, Adadelta, Adamax): they turn the rounding noise of a zero gradient into a step.
 ADAPTIVE_STATE = ("exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf")
-# The one failure of DDP's that a model causes and this check explains; any other error is a bug
-# that stops every process, with its traceback.
+# DDP's one failure that a model causes and this check explains; any other error is a bug.
 DDP_UNUSED_PARAMETERS = (
     "Expected to have finished reduction in the prior iteration before starting a new one"
 )
@@ -97,8 +83,7 @@ class Trace:
     rank_buffers: list[str] = field(default_factory=list)  # buffers the ranks differ in, step 1
     drifted: tuple[int, str, int] | None = None  # (step, parameter, rank): ranks differ there
     failed: str | None = None  # DDP's refusal that ended its training early, and its step
-    # One process: each gradient element's largest magnitude over the steps, and whether the
-    # optimizer divides by a running size of the gradients.
+    # The reference: each gradient element's largest magnitude, and whether the optimizer adapts.
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)
     adaptive: bool = False
 
@@ -111,62 +96,55 @@ def check(cfg: DictConfig) -> None:
             "debug=equivalence ... without torchrun."
         )
     settings = read_settings(cfg)
-    trainer, task = settings.trainer, settings.task
     steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
+    precision = str(cfg.debug.get("precision", "64"))
     if not (isinstance(steps, int) and steps >= 1):
         raise UserError(f"debug.steps={steps}: train at least 1 step in each layout.")
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"debug.tolerance={tolerance}: use a bound above 0, or null.")
-    precision = str(cfg.debug.get("precision", "64"))
-    if precision not in PRECISIONS:
+    if precision not in ("64", "train"):  # float64, or the config's own
         raise UserError(
             f"debug.precision={precision}: use 64 (compare in float64) or train (in "
-            f"trainer.precision={trainer.precision})."
+            f"trainer.precision={settings.trainer.precision})."
         )
-    group = group_of(cfg, settings)
-    micro = micro_batches(cfg, settings)
+    group, micro = group_of(cfg, settings), micro_batches(cfg, settings)
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
-    device, mode = "cuda" if gpus else "cpu", parallel.build(group).name
+    device, mode = "cuda" if gpus else "cpu", build_strategy(group).name
     in_what = (
         "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
-        "the config's own precision)" if precision == "64"
-        else f"in trainer.precision={trainer.precision} (debug.precision=train)"
-    )  # fmt: skip
-    log.info(
-        "Training %d steps in each layout, %s, dropout off, on %s (%s)",
-        steps, in_what, "GPUs" if gpus else "the CPU", "nccl" if gpus else "gloo",
-    )  # fmt: skip
-    process = Process(device=pick_device(device))
-    one, chosen, data, fallback = compared(cfg, device, micro, precision == "64", task, process)
-    trainer = chosen.trainer
-    if fallback:
-        log.warning(
-            "Comparing in trainer.precision=%s instead, with its tolerance: %s",
-            trainer.precision, fallback,
-        )  # fmt: skip
+        "the config's own precision)"
+        if precision == "64"
+        else f"in trainer.precision={settings.trainer.precision} (debug.precision=train)"
+    )
+    on = "GPUs (nccl)" if gpus else "the CPU (gloo)"
+    log.info("Training %d steps in each layout, %s, dropout off, on %s", steps, in_what, on)
+    one, run = compared(cfg, device, micro, precision == "64")
+    trainer = run.trainer
     if tolerance is None:
         exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
         tolerance = FLOAT64 if trainer.precision == "64" else FLOAT32 if exact else LOWER_PRECISION
     processes = layout_config(cfg, device, micro, group, trainer.precision)
-    traces = train_layouts(one, chosen, process, data)
+    traces = train_layouts(one, run)
     traces += launch.start_workers(group_layouts, processes, PROCESSES)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
-    reference = traces[0]
-    rows = {name: compare(trace, reference, steps) for name, trace in layouts.items()}
-    log.info("\n%s", table(rows, reference))
+    rows = {name: compare(trace, traces[0], steps) for name, trace in layouts.items()}
+    log.info("\n%s", table(rows, traces[0]))
     differ = [name for name, row in rows.items() if not row.within(tolerance)]
     if not differ:
+        within = {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's")
+        changes = f"parallel={mode} and trainer.accumulate_grad_batches change"
         log.info(
             "Equivalent: every layout trains this config as one process does, within %s "
             "rounding (tolerance %.0e): %s only the speed.",
-            {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's"), tolerance,
-            f"parallel={mode} and trainer.accumulate_grad_batches change" if micro
-            else f"parallel={mode} changes",
-        )  # fmt: skip
+            within,
+            tolerance,
+            changes if micro else f"parallel={mode} changes",
+        )
         return
-    model, batch = probe(one, chosen, process, data)
-    causes = likely_causes(layouts, rows, differ, model, randomness(model, task, batch, trainer),
-                           parallel.build(processes.parallel), tolerance)  # fmt: skip
+    model, batch = probe(one, run)
+    random = randomness(model, settings.task, batch, trainer)
+    strategy = build_strategy(processes.parallel)
+    causes = likely_causes(layouts, rows, differ, model, random, strategy, tolerance)
     raise NotEquivalent(
         f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
         f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
@@ -174,72 +152,63 @@ def check(cfg: DictConfig) -> None:
 
 
 def group_of(cfg: DictConfig, settings: Settings) -> DictConfig:
-    """The parallel node of the compared processes: the config's own where its mode is one of a
-    process group, else the mode `debug.parallel` names."""
+    """The compared processes' parallel node: the config's if a group's, else debug.parallel's."""
     return cfg.parallel if settings.parallel.in_group else preset(cfg.debug.parallel)
 
 
 def preset(mode: str) -> DictConfig:
-    """The keys of the engine's parallel mode `mode` (conf/parallel/<mode>.yaml's start), with
-    the class that trains it."""
+    """The engine's parallel node for `mode`, as conf/parallel/<mode>.yaml starts from."""
     return ConfigStore.instance().load(f"schema/parallel/{mode}.yaml").node
 
 
+def set_up(cfg: DictConfig, process: Process | None = None) -> Run:
+    """`cfg`'s settings and data on `process` (None: one of the process group, joined here)."""
+    settings = read_settings(cfg)
+    configure_kernels(settings.trainer)
+    process = process or settings.parallel.setup(settings.device, settings.trainer)
+    data = instantiated("data", cfg.data)
+    data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
+    return Run(process, settings, data)
+
+
 def compared(
-    cfg: DictConfig, device: str, micro: int | None, float64: bool, task: Task, process: Process
-) -> tuple[DictConfig, Settings, Data, str | None]:
-    """The one-process layouts' config, its settings and its data set up on `process`: in
-    float64 where asked and the model runs in it, else in the config's own precision; and why
-    float64 was not used, where it was asked for."""
-
-    def set_up(precision: str | None) -> tuple[DictConfig, Settings, Data]:
-        one = layout_config(cfg, device, micro, preset("none"), precision)
-        settings = read_settings(one)
-        configure_kernels(settings.trainer)
-        data = instantiated("data", one.data)
-        data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
-        return one, settings, data
-
-    fallback = None
+    cfg: DictConfig, device: str, micro: int | None, float64: bool
+) -> tuple[DictConfig, Run]:
+    """The one-process layouts' config and run: in float64 where asked and possible, else not."""
+    process = Process(device=pick_device(device))
     if float64:
-        one, settings, data = set_up("64")
-        if not (fallback := float64_fails(one, settings, task, process, data)):
-            return one, settings, data, None
-    return *set_up(None), fallback
-
-
-def float64_fails(
-    cfg: DictConfig, settings: Settings, task: Task, process: Process, data: Data
-) -> str | None:
-    """Why the model cannot train in float64 (one forward and backward of the first batch), or
-    None where it can: a model that makes float32 tensors in its forward meets float64 ones."""
-    try:
-        model, batch = probe(cfg, settings, process, data)  # its preflight: a forward
-        gradients(model, task, batch, settings.trainer)
-    except (UserError, RuntimeError, TypeError) as err:
-        error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
-        return f"the model fails in float64 ({first_line(error)})"
-    return None
+        one = layout_config(cfg, device, micro, preset("none"), "64")
+        run = set_up(one, process)
+        try:  # one forward and backward: a float32 tensor made in the forward meets float64 ones
+            model, batch = probe(one, run)
+            gradients(model, run.task, batch, run.trainer)
+            return one, run
+        except (UserError, RuntimeError, TypeError) as err:
+            error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
+            log.warning(
+                "Comparing in trainer.precision=%s instead, with its tolerance: the model fails "
+                "in float64 (%s)",
+                cfg.trainer.precision,
+                first_line(error),
+            )
+    one = layout_config(cfg, device, micro, preset("none"))
+    return one, set_up(one, process)
 
 
 def micro_batches(cfg: DictConfig, settings: Settings) -> int | None:
-    """The micro-batches of the accumulation layouts: the user's own accumulation, else 2; None
-    where a process's share does not split that far, or the processes' mode refuses it."""
-    trainer = settings.trainer
-    micro = trainer.accumulate_grad_batches if trainer.accumulate_grad_batches > 1 else 2
+    """The micro-batches: the config's accumulation, else 2; None where they cannot be used."""
     if cfg.data.batch_size % PROCESSES:
         raise UserError(
             f"debug=equivalence splits each global batch over {PROCESSES} DDP processes, and "
-            f"data.batch_size={cfg.data.batch_size} does not split in {PROCESSES}: use an even "
-            "one."
+            f"data.batch_size={cfg.data.batch_size} does not split in {PROCESSES}: use an even one."
         )
+    micro = max(settings.trainer.accumulate_grad_batches, 2)
     if cfg.data.batch_size // PROCESSES < micro:
         return None
-    accumulating = dataclasses.replace(trainer, accumulate_grad_batches=micro)
+    accumulating = dataclasses.replace(settings.trainer, accumulate_grad_batches=micro)
     try:  # static_graph=true cannot accumulate, for one
-        parallel.build(group_of(cfg, settings)).check(
-            dataclasses.replace(settings, trainer=accumulating)
-        )
+        strategy = build_strategy(group_of(cfg, settings))
+        strategy.check(dataclasses.replace(settings, trainer=accumulating))
     except UserError as err:
         log.info("No micro-batch layouts: %s", err)
         return None
@@ -258,49 +227,37 @@ def layout_names(micro: int | None, mode: str = "ddp") -> list[str]:
 def layout_config(
     cfg: DictConfig, device: str, micro: int | None, mode: DictConfig, precision: str | None = None
 ) -> DictConfig:
-    """The user's config on `device`, trained as the parallel node `mode` says (in 2 processes
-    where it is one of a group), with the layouts' micro-batches, and `precision` for
-    trainer.precision (None: the config's)."""
+    """The config on `device`, in parallel `mode` (2 processes for a group's) and `precision`."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    if precision is not None:
-        config["trainer"]["precision"] = precision
+    config["trainer"]["precision"] = precision or config["trainer"]["precision"]
     config["parallel"] = OmegaConf.to_container(mode, resolve=True)
-    if parallel.build(mode).in_group:
+    if build_strategy(mode).in_group:
         config["parallel"]["nproc_per_node"] = PROCESSES
-    config.update(device=device)
-    config["debug"]["micro_batches"] = micro
+    config["device"], config["debug"]["micro_batches"] = device, micro
     return OmegaConf.create(config)
 
 
 def group_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
     """One process of the group (started by `launch.start_workers`): its layouts' traces."""
-    settings = read_settings(cfg)
-    trainer = settings.trainer
-    configure_kernels(trainer)
-    process = settings.parallel.setup(settings.device, trainer)
     try:
-        data = instantiated("data", cfg.data)
-        data.setup(process, trainer.dtype, trainer.memory_format)
-        return train_layouts(cfg, settings, process, data)
+        return train_layouts(cfg, set_up(cfg))
     finally:
         parallel.teardown()
 
 
-def train_layouts(cfg: DictConfig, settings: Settings, process: Process, data: Data) -> list[Trace]:
+def train_layouts(cfg: DictConfig, run: Run) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
-    weights = checkpoint.find_weights(settings, process)  # init_from, where the config has one
-    counts = [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else [])
+    weights = checkpoint.find_weights(run.settings, run.process)  # init_from, where there is one
     traces = []
-    for k in counts:
-        trainer = dataclasses.replace(settings.trainer, accumulate_grad_batches=k)
-        run = Run(process, dataclasses.replace(settings, trainer=trainer), data)
-        traces.append(train_layout(cfg, run, weights))
+    for k in [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else []):
+        trainer = dataclasses.replace(run.trainer, accumulate_grad_batches=k)
+        layout = Run(run.process, dataclasses.replace(run.settings, trainer=trainer), run.data)
+        traces.append(train_layout(cfg, layout, weights))
     return traces
 
 
 def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
-    """Train `debug.steps` steps with the training loop itself (its step, its schedule, its
-    validations), watching what makes layouts differ; evaluate the weights it ends with."""
+    """Train `debug.steps` steps with the engine's `fit`, watching; evaluate the end weights."""
     steps, strategy, data = cfg.debug.steps, run.strategy, run.data
     model = build_model(cfg, run, weights)
     dropouts_off(strategy.unwrap(model))
@@ -308,13 +265,11 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
     trace = Trace()
     # Only debug.steps of it, whatever the config's epochs, a check after each step, no file.
     epochs = max(run.trainer.epochs, math.ceil(steps / data.steps_per_epoch))
-    trainer = dataclasses.replace(run.trainer, epochs=epochs, max_steps=steps, test_weights="last",
-                                  log_every_n_steps=1, early_stopping_patience=None)  # fmt: skip
+    trainer = dataclasses.replace(run.trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
+    trainer = dataclasses.replace(trainer, test_weights="last", early_stopping_patience=None)
     policy = dataclasses.replace(run.settings.checkpoint, save=False)
-    fitting = dataclasses.replace(
-        run, settings=dataclasses.replace(run.settings, trainer=trainer, checkpoint=policy),
-        hooks=Hooks([Watcher(trace)]),
-    )  # fmt: skip
+    settings = dataclasses.replace(run.settings, trainer=trainer, checkpoint=policy)
+    fitting = dataclasses.replace(run, settings=settings, hooks=Hooks([Watcher(trace, parts)]))
     fitting.checkpointer = Checkpointer(policy, Path.cwd(), run.process, strategy, {}, {})
     try:
         fit(fitting, parts, progress)
@@ -324,25 +279,17 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
         trace.failed = f"step {len(trace.losses) + 1}: {DDP_UNUSED_PARAMETERS}"
     for split in ("val", "test"):
         if data.size(split):
-            metrics = evaluate(run, model, split)
-            trace.evals[split] = {**metrics, "size": data.size(split)}
+            trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
     state = strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
 
 
 class Watcher(Hook):
-    """After each step of a layout: its loss over the global batch, and what makes layouts differ
-    (parameters without a gradient and buffers the ranks differ in after the first step,
-    parameters the ranks differ in; in the reference, each gradient's size)."""
+    """After each step: the loss over the global batch, and what makes layouts differ."""
 
-    def __init__(self, trace: Trace) -> None:
-        self.trace, self.loss = trace, None
-
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
-        self.parts = parts
-        yield
+    def __init__(self, trace: Trace, parts: Parts) -> None:
+        self.trace, self.parts, self.loss = trace, parts, None
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         self.loss = loss
@@ -357,7 +304,12 @@ class Watcher(Hook):
             found = drift.differing(process, list(model.named_parameters()))
             trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
         if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
-            watch_gradients(trace, model, self.parts.optimizer)
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    size = p.grad.detach().abs().cpu()
+                    trace.gradients[name] = torch.maximum(trace.gradients.get(name, size), size)
+            state = self.parts.optimizer.state.values()
+            trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
 
     def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
         return [] if self.loss is None else [self.loss.item()]
@@ -370,20 +322,8 @@ class Watcher(Hook):
             self.loss = None
 
 
-def watch_gradients(trace: Trace, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """One process, after a step: each gradient element's largest magnitude so far, and whether
-    the optimizer divides each gradient by its own running size."""
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            size = p.grad.detach().abs().cpu()
-            seen = trace.gradients.get(name)
-            trace.gradients[name] = size if seen is None else torch.maximum(seen, size)
-    trace.adaptive = any(key in ADAPTIVE_STATE for s in optimizer.state.values() for key in s)
-
-
 def dropouts_off(model: nn.Module) -> None:
-    """Dropout layers become identities: each process would draw its own masks. (Not switched to
-    eval mode, which the loop's model.train() would switch back.)"""
+    """Dropout layers become identities (not eval mode, which the loop's model.train() undoes)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.modules.dropout._DropoutNd):
             parent, _, child = name.rpartition(".")
@@ -392,21 +332,17 @@ def dropouts_off(model: nn.Module) -> None:
 
 @dataclasses.dataclass
 class Difference:
-    """How far a layout is from the reference: the largest relative loss difference of any step
-    (and its step), the largest weight difference (relative to its tensor's largest weight, where
-    that is above 1; and where), the largest relative difference of the evaluated splits' losses,
-    and the change in their correct predictions (shown, not judged: a rounding difference may
-    flip a prediction that was a near tie)."""
+    """How far a layout is from the reference, relative."""
 
-    loss: tuple[float, int | None]
-    weight: tuple[float, str | None]
-    eval_loss: float
-    correct: dict[str, int]
+    loss: tuple[float, int | None]  # the largest of any step, and its step
+    weight: tuple[float, str | None]  # the largest (of the tensor's largest weight above 1), where
+    eval_loss: float  # the largest of the evaluated splits'
+    correct: dict[str, int]  # each split's change, shown, not judged: rounding may flip a tie
     failed: str | None  # DDP's refusal, if training stopped early
     complete: bool  # it trained every step
     drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
-    eval_losses: dict[str, float] = field(default_factory=dict)  # each split's, relative
-    steps: list[float] = field(default_factory=list)  # each step's relative loss difference
+    eval_losses: dict[str, float] = field(default_factory=dict)  # each split's
+    steps: list[float] = field(default_factory=list)  # each step's loss difference
 
     def within(self, tolerance: float) -> bool:
         worst = max(self.loss[0], self.weight[0], self.eval_loss)
@@ -426,45 +362,43 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
         ),
         default=(0.0, None),
     )
-    evals = reference.evals  # the task's loss metric, where it reports one; its correct counts
-    eval_losses = {s: abs(m[f"{s}/loss"] / evals[s][f"{s}/loss"] - 1)
-                   for s, m in trace.evals.items() if f"{s}/loss" in m}  # fmt: skip
-    eval_loss = max(eval_losses.values(), default=0.0)
-    correct = {s: m[f"{s}/correct"] - evals[s][f"{s}/correct"]
-               for s, m in trace.evals.items() if f"{s}/correct" in m}  # fmt: skip
+    eval_losses, correct = {}, {}  # where the task reports a loss metric, correct counts
+    for s, m in trace.evals.items():
+        theirs = reference.evals[s]
+        if f"{s}/loss" in m:
+            eval_losses[s] = abs(m[f"{s}/loss"] / theirs[f"{s}/loss"] - 1)
+        if f"{s}/correct" in m:
+            correct[s] = m[f"{s}/correct"] - theirs[f"{s}/correct"]
     complete = len(trace.losses) == steps and trace.failed is None
     drifted = trace.drifted is not None and trace.failed is None
-    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted,
-                      eval_losses, per_step)  # fmt: skip
+    eval_loss = max(eval_losses.values(), default=0.0)
+    return Difference(
+        loss, weight, eval_loss, correct, trace.failed, complete, drifted, eval_losses, per_step
+    )
 
 
 def table(rows: dict[str, Difference], reference: Trace) -> str:
-    """The layouts' differences side by side, under the reference's correct predictions (a task
-    that counts none: its evaluated loss, and each layout's relative difference from it)."""
-    splits = list(reference.evals)
-    counted = {s: f"{s}/correct" in reference.evals[s] for s in splits}
-    header = ["layout", "loss (step)", "weights (where)"]
-    header += [f"{s} correct" if counted[s] else f"{s} loss" for s in splits]
-    lines = [header]
+    """The layouts' differences side by side, under the reference's correct counts (or loss)."""
+    evals = reference.evals
+    counted = {s: f"{s}/correct" in metrics for s, metrics in evals.items()}
+    lines = [["layout", "loss (step)", "weights (where)"]]
+    lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
     for name, row in rows.items():
-        evals = reference.evals
         if name.endswith("(reference)"):
-            counts = [
-                f"{evals[s][f'{s}/correct']}/{evals[s]['size']}"
-                if counted[s]
-                else f"{evals[s].get(f'{s}/loss', float('nan')):.4g}"
-                for s in splits
-            ]
-            lines.append([name, "-", "-", *counts])
-            continue
-        (loss, step), (weight, where) = row.loss, row.weight
-        counts = [f"{row.correct.get(s, 0):+d}" if counted[s]
-                  else f"{row.eval_losses.get(s, 0.0):.1e}" for s in splits]  # fmt: skip
-        loss_text = f"{loss:.1e} ({step})"
-        if row.failed:
-            loss_text = f"failed at {row.failed.split(':')[0]}"
-        lines.append([name, loss_text, f"{weight:.1e} ({where})", *counts])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+            cells = ["-", "-"]
+            for s, m in evals.items():
+                loss = m.get(f"{s}/loss", float("nan"))
+                cells.append(f"{m[f'{s}/correct']}/{m['size']}" if counted[s] else f"{loss:.4g}")
+        else:
+            (loss, step), (weight, where) = row.loss, row.weight
+            cells = [f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
+            if row.failed:
+                cells[0] = f"failed at {row.failed.split(':')[0]}"
+            for s in evals:
+                change = f"{row.correct.get(s, 0):+d}"
+                cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
+        lines.append([name, *cells])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
     )
@@ -477,11 +411,9 @@ def likely_causes(
     model: nn.Module,
     randomness: tuple[bool, bool],
     strategy: parallel.Strategy,
-    tolerance: float = FLOAT32,
+    tolerance: float,
 ) -> list[str]:
-    """What could make the layouts `differ`, from what the runs and their `rows` (differences
-    from the reference, beyond `tolerance`), the one-process `model`, its `randomness` (random,
-    repeatable) and the DDP layouts' `parallel` settings show."""
+    """What could make the layouts `differ`, from what the runs and the one-process `model` show."""
     reference = next(iter(layouts.values()))
     failures: dict[str, list[str]] = {}
     for name in differ:
@@ -494,9 +426,25 @@ def likely_causes(
             "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
             "them out of the model"
         )
-    norms = [name for name, m in model.named_modules() if is_batch_norm(m)]
-    if norms:
-        causes.append(batch_norm_cause(norms, differ, strategy.sync_batchnorm))
+    norms = [  # those that normalise by this process's batch alone (SyncBatchNorm shares it)
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
+    layers = f"BatchNorm layers ({', '.join(norms[:5])})"
+    if norms and strategy.sync_batchnorm:
+        causes.append(
+            f"{layers} normalise each micro-batch by its own statistics: no setting makes "
+            "accumulation match whole batches there (parallel.sync_batchnorm=true covers the "
+            "processes only)"
+        )
+    elif norms:
+        micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
+        causes.append(
+            f"{layers} normalise each process's share{micro} by its own statistics: "
+            "parallel.sync_batchnorm=true shares them between processes (CUDA GPUs), or use "
+            "GroupNorm or LayerNorm"
+        )
     ddp_buffers = {b for name in differ for b in layouts[name].rank_buffers}
     others = sorted(b for b in ddp_buffers if not b.startswith(tuple(f"{n}." for n in norms)))
     if others:
@@ -523,33 +471,28 @@ def likely_causes(
             "trainer.deterministic=true"
         )
     worst = max(differ, key=lambda name: rows[name].weight[0])
-    if rounding := zero_gradients(reference, rows[worst].weight[1]):
+    where = rows[worst].weight[1]
+    if rounding := zero_gradients(reference, where):
         causes.append(rounding)
     if course := loss_course(differ, rows, tolerance):
         causes.append(course)
-    if not causes:
-        where = rows[worst].weight[1]
-        causes.append(
-            f"none this check can see; the largest weight difference is in {where} ({worst})"
-        )
-    return causes
+    return causes or [
+        f"none this check can see; the largest weight difference is in {where} ({worst})"
+    ]
 
 
 def zero_gradients(reference: Trace, where: str | None) -> str | None:
-    """Parameters whose gradient (in the reference, over every step) is zero up to rounding, under
-    an optimizer that divides by the gradients' running size: it makes the noise a step."""
-    if not reference.adaptive or not reference.gradients:
+    """Parameters whose gradient is zero up to rounding, under an optimizer that makes it steps."""
+    gradients = reference.gradients
+    if not reference.adaptive or not gradients:
         return None
-    largest = max(g.max().item() for g in reference.gradients.values())
-    noise = {  # exactly 0 is the same in every layout, and the optimizer does not move it
-        name: int(((g > 0) & (g <= ZERO_GRADIENT * largest)).sum())
-        for name, g in reference.gradients.items()
-    }
+    largest = max(g.max().item() for g in gradients.values())
+    # Exactly 0 is the same in every layout, and the optimizer does not move it.
+    noise = {n: int(((g > 0) & (g <= ZERO_GRADIENT * largest)).sum()) for n, g in gradients.items()}
     found = [name for name, count in noise.items() if count]
     if not found:
         return None
-    sizes = {name: reference.gradients[name].numel() for name in found}
-    named = ", ".join(f"{name} ({noise[name]} of {sizes[name]})" for name in found[:5])
+    named = ", ".join(f"{n} ({noise[n]} of {gradients[n].numel()})" for n in found[:5])
     there = f"; the largest weight difference is in {where}" if where in found else ""
     return (
         f"parameters whose gradient is zero up to rounding (at most {ZERO_GRADIENT:.0e} of the "
@@ -562,8 +505,7 @@ def zero_gradients(reference: Trace, where: str | None) -> str | None:
 
 
 def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float) -> str | None:
-    """How the loss difference of the layout that differs most came about: from the first step
-    (a real difference), a jump from rounding level at one step (a near tie flipped), or growth."""
+    """How the largest loss difference came about: from step 1, a jump at one step, or growth."""
     name = max(differ, key=lambda n: rows[n].loss[0])
     steps = rows[name].steps
     over = next((i for i, d in enumerate(steps) if d > tolerance), None)
@@ -575,7 +517,7 @@ def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float
             f"in {name} the loss differs from the first step ({at:.1e}): the layouts compute "
             "something else (a sample, a scale, the model's own state), not rounding"
         )
-    if at >= JUMP * before:  # within rounding up to there, and 20 times that in one step
+    if at >= JUMP * before:
         return (
             f"in {name} the loss jumps at step {over + 1}, from rounding ({before:.0e} up to "
             f"there) to {at:.1e}: a near tie (a ReLU, a max, an argmax) that rounding tipped "
@@ -588,46 +530,16 @@ def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float
     )
 
 
-def batch_norm_cause(norms: list[str], differ: list[str], synced: bool) -> str:
-    """Why BatchNorm layers make the layouts in `differ` differ."""
-    layers = f"BatchNorm layers ({', '.join(norms[:5])})"
-    if synced:
-        return (
-            f"{layers} normalise each micro-batch by its own statistics: no setting makes "
-            "accumulation match whole batches there (parallel.sync_batchnorm=true covers the "
-            "processes only)"
-        )
-    micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
-    return (
-        f"{layers} normalise each process's share{micro} by its own statistics: "
-        "parallel.sync_batchnorm=true shares them between processes (CUDA GPUs), or use "
-        "GroupNorm or LayerNorm"
-    )
-
-
-def is_batch_norm(module: nn.Module) -> bool:
-    """BatchNorm that normalises by this process's batch alone (SyncBatchNorm shares it)."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-        module, nn.SyncBatchNorm
-    )
-
-
-def probe(
-    cfg: DictConfig, settings: Settings, process: Process, data: Data
-) -> tuple[nn.Module, tuple]:
+def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, tuple]:
     """The config's model as one process builds it, dropout off, and its first batch."""
-    weights = checkpoint.find_weights(settings, process)
-    run = Run(process, settings, data)
-    model = build_model(cfg, run, weights)
+    model = build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
     model.train()
     dropouts_off(run.strategy.unwrap(model))
-    return model, next(data.train_batches(1))
+    return model, next(run.data.train_batches(1))
 
 
 def randomness(model: nn.Module, task: Task, batch: tuple, trainer: Trainer) -> tuple[bool, bool]:
-    """Whether the gradients of `batch` depend on the random seed (randomness in the model), and
-    whether they are the same twice with one seed (deterministic kernels); with the task's loss,
-    as training computes it."""
+    """Whether `batch`'s gradients depend on the seed (random), and repeat with one (repeatable)."""
     first, again, other = (gradients(model, task, batch, trainer, seed) for seed in (0, 0, 1))
     same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     seeded = all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
@@ -637,8 +549,7 @@ def randomness(model: nn.Module, task: Task, batch: tuple, trainer: Trainer) -> 
 def gradients(
     model: nn.Module, task: Task, batch: tuple, trainer: Trainer, seed: int = 0
 ) -> list[torch.Tensor]:
-    """The gradients of the task's loss on one process's `batch`, as training computes them,
-    with the random generators seeded by `seed`."""
+    """The gradients of the task's loss on one process's `batch`, as training computes them."""
     inputs, targets, _ = batch
     count = task.count(inputs, targets)  # one process's batch: its own count is the global one
     torch.manual_seed(seed)

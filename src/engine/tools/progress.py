@@ -11,9 +11,8 @@ from tqdm import tqdm
 from src.engine.core.context import Hook, Run
 from src.engine.core.state import Progress
 
-# One process draws the bar. tqdm's default lock is a multiprocessing one, for bars of several
-# processes on one terminal; in a spawned DDP worker, which ends without the interpreter's
-# teardown (launch.exit_worker), it would be reported as a leaked semaphore.
+# One process draws the bar: a thread lock will do. tqdm's default multiprocessing lock is reported
+# as a leaked semaphore by a DDP worker, which ends without teardown (launch.exit_worker).
 tqdm.set_lock(threading.RLock())
 
 

@@ -13,7 +13,6 @@ import torch
 
 from src.engine.core.context import Hook, Run
 from src.engine.core.state import Parts, Progress
-from src.engine.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,21 @@ class Speed(Hook):
         images -= self.first_step * data.batch_size
         speed = throughput(self.started, images, run.process.device)
         speed["memory/state_mb"] = state_mb(self.parts, run.strategy.local)
-        log_speed(speed, progress, run.logger)
+        log.info(
+            "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB (weights, gradients "
+            "and optimizer state %.1f MB)",
+            progress.epoch,
+            speed["time/train_s"],
+            speed["time/images_per_s"],
+            speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
+            speed["memory/state_mb"],
+        )
+        if run.logger:
+            run.logger.log({**progress.record, **speed})
 
 
 def throughput(started: float, images: int, device: torch.device) -> dict[str, float]:
-    """The epoch's training time and speed (images of all ranks per second), and peak memory."""
+    """The epoch's training time and speed, and the peak memory."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
@@ -57,25 +66,9 @@ def throughput(started: float, images: int, device: torch.device) -> dict[str, f
 
 
 def state_mb(parts: Parts, local: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """MiB of this rank's weights, gradients and optimizer state: the tensors themselves, which
-    FSDP shards over the ranks (1/N on each) and every other mode holds whole."""
+    """MiB of this rank's weights, gradients and optimizer state (1/N of them under FSDP)."""
     parameters = list(parts.model.parameters())
     grads = [p.grad for p in parameters if p.grad is not None]
     moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    tensors = (local(t) for t in chain(parameters, grads, moments))
+    tensors = map(local, chain(parameters, grads, moments))
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
-
-
-def log_speed(speed: dict[str, float], progress: Progress, logger: MetricsLogger | None) -> None:
-    """The epoch's speed and memory: printed, and logged with where training stands."""
-    log.info(
-        "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB (weights, gradients and "
-        "optimizer state %.1f MB)",
-        progress.epoch,
-        speed["time/train_s"],
-        speed["time/images_per_s"],
-        speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
-        speed["memory/state_mb"],
-    )
-    if logger:
-        logger.log({**progress.record, **speed})

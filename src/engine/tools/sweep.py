@@ -1,10 +1,7 @@
-"""The summary of a sweep: `summary.csv` in its folder, with each job's overrides, its best
-validation value of `checkpoint.monitor` (what the sweep compares), the test metrics of the
-weights it tested (whichever its task logged: `test/acc`, `test/mae`, ... and `test/loss`), wall
-time and status, best first; printed as a table when the sweep ends.
-
-A Hydra callback (conf/config.yaml, hydra.callbacks). Each job leaves `job.json` in its own folder
-when it ends, so the summary also covers jobs that launchers ran in other processes (submitit).
+"""A sweep's `summary.csv`: each job's overrides, best validation value of `checkpoint.monitor`,
+test metrics, wall time and status, best first; printed as a table at the end. A Hydra callback
+(conf/config.yaml); each job leaves `job.json` in its folder, so jobs that launchers ran in other
+processes (submitit) count too.
 """
 
 from __future__ import annotations
@@ -40,15 +37,15 @@ class SweepSummary(Callback):
         if config.hydra.mode.name != "MULTIRUN":
             return
         folder = Path(config.hydra.runtime.output_dir)
-        records = _records(folder / "metrics.jsonl")
+        metrics = folder / "metrics.jsonl"
         # The same choice as training's best.pt, made again from the validations it logged.
         best = Best(config.checkpoint.monitor, _mode(config))
-        for record in records:
+        # What its test logged; a job stopped before it has the table's two, empty.
+        test = dict.fromkeys([f"test/{best.monitor.removeprefix('val/')}", "test/loss"])
+        for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+            record = json.loads(line)
             if best.monitor in record:
                 best.update(record, record["epoch"])
-        # What its test logged; a job stopped before it has the table's two, empty.
-        test = dict.fromkeys([f"test/{_metric(best.monitor)}", "test/loss"])
-        for record in records:
             test.update({f"test/{name}": value for name, value in measured(record, "test").items()})
         job = {
             "job": config.hydra.job.num,
@@ -77,20 +74,17 @@ class SweepSummary(Callback):
 
 
 def _print(sweep_dir: Path) -> None:
-    """The table: each job's best value of its monitor, and the test value of the same metric
-    (`test/acc` beside a best `val/acc`)."""
+    """The table: each job's best value of its monitor, and the test value of that metric."""
     jobs = _write(sweep_dir)
-    tested = "test " + "/".join(sorted({_metric(j["monitor"]) for j in jobs}))
-    width = max(8, len(tested))
-    lines = [f"{'best':>7} {'monitor':8} {'epoch':>5} {tested:>{width}} {'wall s':>7} "
-             f"{'status':9} overrides"]  # fmt: skip
+    tested = "test " + "/".join(sorted({j["monitor"].removeprefix("val/") for j in jobs}))
+    rows = [("best", "monitor", "epoch", tested, "wall s", "status", "overrides")]
     for j in jobs:
-        best = f"{j['best']:.4f}" if j["best"] is not None else "-"
-        value = j.get(f"test/{_metric(j['monitor'])}")
-        test = f"{value:.4f}" if value is not None else "-"
+        value = j.get("test/" + j["monitor"].removeprefix("val/"))
+        best, test = (f"{v:.4f}" if v is not None else "-" for v in (j["best"], value))
         epoch = j["best_epoch"] if j["best_epoch"] is not None else "-"
-        lines.append(f"{best:>7} {j['monitor']:8} {epoch:>5} {test:>{width}} {j['wall_s']:>7} "
-                     f"{j['status']:9} {j['overrides']}")  # fmt: skip
+        rows.append((best, j["monitor"], epoch, test, j["wall_s"], j["status"], j["overrides"]))
+    width = max(8, len(tested))
+    lines = ("{:>7} {:8} {:>5} {:>{w}} {:>7} {:9} {}".format(*row, w=width) for row in rows)
     print(f"Sweep summary ({sweep_dir / 'summary.csv'}):\n" + "\n".join(lines), flush=True)
 
 
@@ -99,8 +93,8 @@ def _write(sweep_dir: Path) -> list[dict[str, Any]]:
     jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")]
     jobs.sort(key=_rank)
     # Every test metric any job logged (jobs of one sweep may run different tasks), the loss last.
-    tests = sorted({key for job in jobs for key in job if key.startswith("test/")},
-                   key=lambda key: (key == "test/loss", key))  # fmt: skip
+    tests = {key for job in jobs for key in job if key.startswith("test/")}
+    tests = sorted(tests, key=lambda key: (key == "test/loss", key))
     with (sweep_dir / "summary.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, [*FIRST, *tests, *LAST], extrasaction="ignore")
         writer.writeheader()
@@ -109,8 +103,8 @@ def _write(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _rank(job: dict[str, Any]) -> tuple:
-    """Jobs with a best value first, the better first (as their checkpoint.mode says); then the
-    rest (no validation split, or failed) in job order."""
+    """Jobs with a best value first, the better first (by their checkpoint.mode); then the rest
+    (no validation split, or failed) in job order."""
     value = job["best"]
     if value is None:
         return (1, 0.0, job["job"])
@@ -123,12 +117,3 @@ def _mode(config: DictConfig) -> str:
         return checkpoint_mode_of(config) or "max"
     except UserError:
         return "max"
-
-
-def _metric(monitor: str) -> str:
-    """The metric a monitor watches: `acc` for val/acc."""
-    return monitor.removeprefix("val/")
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

@@ -31,36 +31,31 @@ class WarmUp(Hook):
 
 
 def warm_up(run: Run, parts: Parts, step: int) -> None:
-    """`trainer.warmup_steps=N`: train N steps (at least 2) on the first batches of an epoch and
-    two on its last (often smaller) batch, evaluate once, then undo it all: the weights, the
-    optimizer, the scaler and the random generators are put back as they were, so training goes
-    on exactly as without it. What stays is what is slow the first time: torch.compile's
-    compilation (once per batch shape), cuDNN's autotuning, CUDA graph capture (on a shape's
-    second run), the allocator's pools. Logs its seconds.
-    """
+    """Train `trainer.warmup_steps` steps (at least 2) on an epoch's first batches and two on its
+    last (often smaller) one, evaluate once, then put back the weights, the optimizer, the scaler
+    and the random generators. What stays is what is slow the first time: compilation (per batch
+    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Logs its seconds."""
     started = time.perf_counter()
-    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
-    data, process, trainer = run.data, run.process, run.trainer
-    plain = run.strategy.unwrap(model)
-    saved = copy.deepcopy((plain.state_dict(), optimizer.state_dict(), scaler.state_dict()))
+    data, device = run.data, run.process.device
+    undone = (run.strategy.unwrap(parts.model), parts.optimizer, parts.scaler)
+    saved = copy.deepcopy([part.state_dict() for part in undone])
     generators = checkpoint.rng_state()
     # Each batch shape at least twice: CUDA graph trees run a new graph once, then record it.
-    steps, last = min(max(trainer.warmup_steps, 2), data.steps_per_epoch), data.steps_per_epoch - 1
-    model.train()
-    batches = chain(
+    steps = min(max(run.trainer.warmup_steps, 2), data.steps_per_epoch)
+    last = data.steps_per_epoch - 1  # the last batch, often smaller: another shape
+    parts.model.train()
+    for batch in chain(
         islice(data.train_batches(1), steps),
-        data.train_batches(1, skip=last),  # the last batch, often smaller: another shape
         data.train_batches(1, skip=last),
-    )
-    for batch in batches:
+        data.train_batches(1, skip=last),
+    ):
         train_step(run, parts, batch)
-    evaluate(run, model, "val" if data.size("val") else "test")  # its metrics dropped
-    plain.load_state_dict(saved[0])
-    optimizer.load_state_dict(saved[1])
-    scaler.load_state_dict(saved[2])
+    evaluate(run, parts.model, "val" if data.size("val") else "test")  # its metrics dropped
+    for part, state in zip(undone, saved, strict=True):
+        part.load_state_dict(state)
     checkpoint.set_rng_state(generators)
-    if process.device.type == "cuda":
-        torch.cuda.synchronize(process.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
     log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
     if run.logger:
