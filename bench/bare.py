@@ -13,7 +13,7 @@ line: the epoch's training images per second.
 measures speed) so that compilation and CUDA graph capture stay out of the timing. --steps times
 only the epoch's first steps. bench/scaling.py varies the rest under torchrun: DDP's
 --bucket-cap-mb and --gradient-as-bucket-view, --accumulate (each step's share split into
-micro-batches, all-reducing in the last one's backward only, as src/engine/core/step.py's train_step
+micro-batches, all-reducing in the last one's backward only, as src/engine/core/loop.py's train_step
 does) and --no-communication (a DDP hook that skips the all-reduce: the same step, compute only;
 --also-no-communication times it after the all-reduce's run, in the same processes).
 """

@@ -162,3 +162,102 @@ def test_the_config_ends_at_the_top_of_the_run():
         if "DictConfig" in path.read_text() or "omegaconf" in imported(ast.parse(path.read_text()))
     }
     assert readers <= READS_THE_CONFIG, f"{sorted(readers - READS_THE_CONFIG)} read the config"
+
+
+# What a reader follows to one optimizer step: the call stack at `optimizer.step()` (train.py's
+# main → run.train → fit → train_epoch → train_step), and each function of the engine that the
+# loop's three call on the way there, before the first step (a property read counts; a Protocol's
+# `...` does not: the fork's task is what runs). The set-up train() calls before fit (building the
+# model, the data, the parts) is read when a reader wants it.
+STACK = [
+    ("train.py", "main", "train"),
+    ("src/engine/run.py", "train", "fit"),
+    ("src/engine/core/loop.py", "fit", "train_epoch"),
+    ("src/engine/core/loop.py", "train_epoch", "train_step"),
+    ("src/engine/core/loop.py", "train_step", "step"),  # scaler.step(optimizer)
+]
+# The classes the loop holds (run, its hooks, strategy, data and trainer; the training state):
+# where a method's name is defined in several classes, theirs is the one the loop calls.
+HELD = (
+    "Run",
+    "Hooks",
+    "Strategy",
+    "Data",
+    "Trainer",
+    "Progress",
+    "Schedule",
+    "Best",
+    "Checkpointer",
+)
+
+
+def definitions() -> dict[str, list[tuple[str, str, ast.FunctionDef]]]:
+    """Every function and method of train.py and src/, by name: (file, class or "", node)."""
+    found: dict[str, list] = {}
+    for path in [REPO / "train.py", *MODULES.values()]:
+        for node in ast.parse(path.read_text()).body:
+            owned = [(n, node.name) for n in node.body] if isinstance(node, ast.ClassDef) else []
+            for n, owner in owned or [(node, "")]:
+                if isinstance(n, ast.FunctionDef):
+                    found.setdefault(n.name, []).append((str(path.relative_to(REPO)), owner, n))
+    return found
+
+
+def before(node: ast.AST, callee: str) -> tuple[list[ast.AST], bool]:
+    """What `node`'s body runs up to its call of `callee`, in order (a compound statement's head,
+    then its body), and whether that call was reached."""
+    taken = []
+    for statement in getattr(node, "body", []):
+        compound = isinstance(getattr(statement, "body", None), list)
+        heads = [v for k, v in ast.iter_fields(statement) if k not in ("body", "orelse")]
+        for head in heads:  # a loop's target and iterator, a with's context managers, an if's test
+            taken += [
+                h for h in (head if isinstance(head, list) else [head]) if isinstance(h, ast.AST)
+            ]
+        if not compound:
+            taken.append(statement)
+        calls = [c for c in ast.walk(statement) if isinstance(c, ast.Call)]
+        if any(getattr(c.func, "id", getattr(c.func, "attr", None)) == callee for c in calls):
+            taken += before(statement, callee)[0] if compound else []
+            return taken, True
+        exits = compound and isinstance(statement.body[-1], ast.Return | ast.Raise)
+        if compound and not exits:  # an early exit (nothing left to train) is no way to a step
+            taken += before(statement, callee)[0]
+    return taken, False
+
+
+def lines(node: ast.FunctionDef) -> int:
+    return node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+
+
+@pytest.mark.unit
+def test_the_way_to_an_optimizer_step_reads_in_a_few_files():
+    found = definitions()
+    followed = {}
+    for file, name, callee in STACK:
+        (node,) = [n for f, _, n in found[name] if f == file]
+        followed[(file, name)] = node
+        if not file.endswith("loop.py"):
+            continue
+        for statement in before(node, callee)[0]:
+            for sub in ast.walk(statement):
+                if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name):
+                    used, kind = sub.func.id, "function"
+                elif isinstance(sub, ast.Call):
+                    used, kind = getattr(sub.func, "attr", None), "method"
+                elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Load):
+                    used, kind = sub.attr, "property"
+                else:
+                    continue
+                for f, owner, n in found.get(used, []):
+                    decorators = [getattr(d, "id", None) for d in n.decorator_list]
+                    stub = len(n.body) == 1 and isinstance(n.body[0], ast.Expr)  # a Protocol's ...
+                    if stub or ("property" in decorators) != (kind == "property"):
+                        continue
+                    if (kind == "function") == (not owner) and (not owner or owner in HELD):
+                        followed.setdefault((f, f"{owner}.{n.name}" if owner else n.name), n)
+                        break
+    total = sum(lines(n) for n in followed.values())
+    files = sorted({f for f, _ in followed})
+    shown = "\n".join(f"{lines(n):4d} {f}:{name}" for (f, name), n in sorted(followed.items()))
+    assert total <= 200 and len(files) <= 6, f"{total} lines over {len(files)} files:\n{shown}"

@@ -19,9 +19,8 @@ from src.engine.checkpoint import Checkpointer, OptimizerState, RandomState, loa
 from src.engine.config import Checkpointing, Trainer
 from src.engine.core.context import Hooks
 from src.engine.core.evaluate import evaluate
-from src.engine.core.loop import save
+from src.engine.core.loop import save, train_step
 from src.engine.core.state import Parts, Progress, Schedule
-from src.engine.core.step import train_step
 from src.engine.data import Data
 from src.engine.errors import UserError
 from src.engine.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics

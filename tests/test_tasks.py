@@ -38,8 +38,8 @@ from hydra.utils import instantiate
 from src.engine.build import build_model, read_settings
 from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
+from src.engine.core.loop import train_step
 from src.engine.core.state import Parts
-from src.engine.core.step import train_step
 from src.engine.errors import UserError
 from src.engine.guards.checks import check_count
 from src.engine.parallel import Process

@@ -11,7 +11,6 @@ parallel strategy, a dataset class) are that class's own parameters.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,24 +77,13 @@ class Trainer(Checked):
     # checkpoint.monitor) or last.
     test_weights: str = one_of("best", "last", default="best")
 
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """Mixed precision's dtype (bf16, 16); None for float32 and float64."""
-        return PRECISIONS[self.precision]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the weights, the float inputs and the optimizer's state."""
-        return WEIGHTS.get(self.precision, torch.float32)
-
-    @property
-    def memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.channels_last else torch.contiguous_format
-
-    def autocast(self, device: torch.device) -> AbstractContextManager:
-        """Mixed precision on `device` for bf16 or 16; nothing at all for 32 and 64."""
-        dtype = self.autocast_dtype
-        return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # What the precision means, read on every step: mixed precision's dtype (None for 32 and
+        # 64), the dtype of the weights, float inputs and optimizer state, the memory layout.
+        self.autocast_dtype = PRECISIONS[self.precision]
+        self.dtype = WEIGHTS.get(self.precision, torch.float32)
+        self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
 
 
 @dataclass

@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 from omegaconf import DictConfig
-from torch import nn
 
 from src.engine import checkpoint, storage
 from src.engine.build import (
@@ -25,8 +24,7 @@ from src.engine.build import (
     logged,
     read_settings,
 )
-from src.engine.core.context import Run
-from src.engine.core.evaluate import Fitted, evaluate_weights, test
+from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
 from src.engine.errors import on_every_rank
 from src.engine.guards.signals import during_the_test, interrupted, signals_interrupt
@@ -65,29 +63,9 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 else:  # train=false: the checkpoint's weights, on the validation split too
                     fitted, result = evaluate_weights(run, model, weights)
                 test(run, model, fitted)  # once, at the end
-                finish(run, model, fitted, cfg.plots)
+                plots.finish(run, model, fitted.step, settings.config["plots"])
     except KeyboardInterrupt:
         raise interrupted(process, when) from None
     finally:
         teardown()
     return result
-
-
-def finish(run: Run, model: nn.Module, fitted: Fitted, pictures: bool) -> None:
-    """The run's pictures; then every rank stops together if the storage refused a file of the
-    run, and none tears the process group down while another still uses it."""
-    unwritten = run.logger and run.logger.fault  # metrics.jsonl, refused by the storage
-    # Every rank predicts: under FSDP a forward needs them all.
-    shown = plots.predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
-    if pictures and run.process.is_main and not unwritten:
-        unwritten = storage.attempt(lambda: draw(run, shown))
-    if unwritten := storage.agree(run.process, unwritten or None):
-        kept = run.checkpointer and run.checkpointer.kept
-        raise storage.stopped(unwritten, run.run_dir, fitted.step, kept or None)
-
-
-def draw(run: Run, shown: plots.Predicted | None) -> None:
-    """The run's pictures, into the run folder and to the tracker."""
-    pictures = plots.draw(run.run_dir, shown, run.data)
-    if run.logger:
-        run.logger.log_images(pictures)

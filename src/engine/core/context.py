@@ -130,3 +130,8 @@ class Run:
     @property
     def strategy(self) -> Strategy:
         return self.settings.parallel
+
+    def autocast(self) -> AbstractContextManager:
+        """Mixed precision on this process's device for bf16 or 16; nothing for 32 and 64."""
+        dtype = self.trainer.autocast_dtype
+        return nullcontext() if dtype is None else torch.autocast(self.process.device.type, dtype)

@@ -76,7 +76,7 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     The task's sums of each batch are added up in float64 on the CPU, then over the ranks, and
     turned into metrics once: exact, whatever the world size and the batch size.
     """
-    task, process, trainer = run.task, run.process, run.trainer
+    task, process = run.task, run.process
     model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
     # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
@@ -85,7 +85,7 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     sums: dict[str, float] = {}
     # Where every forward is collective (FSDP), each rank runs as many as the rank with the most.
     for inputs, targets in run.data.eval_batches(split, even=run.strategy.even_eval):
-        with trainer.autocast(process.device):
+        with run.autocast():
             outputs = model(inputs)
         batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
         for key, value in batch.items():

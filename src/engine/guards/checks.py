@@ -12,8 +12,8 @@ from hydra.errors import CompactHydraException
 from torch import nn
 
 from src.engine.core.context import Hook, Run
+from src.engine.core.loop import global_count, nothing_counted
 from src.engine.core.state import Progress
-from src.engine.core.step import global_count, nothing_counted
 
 
 class NonFiniteLoss(CompactHydraException):

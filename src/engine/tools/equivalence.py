@@ -32,12 +32,11 @@ from src.engine.build import (
     read_settings,
 )
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import Settings, Trainer
+from src.engine.config import Settings
 from src.engine.core.context import Hook, Hooks, Run
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import fit
 from src.engine.core.state import Parts, Progress
-from src.engine.core.task import Task
 from src.engine.errors import UserError, first_line
 from src.engine.guards import drift
 from src.engine.parallel import Process
@@ -142,7 +141,7 @@ def check(cfg: DictConfig) -> None:
         )
         return
     model, batch = probe(one, run)
-    random = randomness(model, settings.task, batch, trainer)
+    random = randomness(model, run, batch)
     strategy = build_strategy(processes.parallel)
     causes = likely_causes(layouts, rows, differ, model, random, strategy, tolerance)
     raise NotEquivalent(
@@ -181,7 +180,7 @@ def compared(
         run = set_up(one, process)
         try:  # one forward and backward: a float32 tensor made in the forward meets float64 ones
             model, batch = probe(one, run)
-            gradients(model, run.task, batch, run.trainer)
+            gradients(model, run, batch)
             return one, run
         except (UserError, RuntimeError, TypeError) as err:
             error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
@@ -538,23 +537,21 @@ def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, tuple]:
     return model, next(run.data.train_batches(1))
 
 
-def randomness(model: nn.Module, task: Task, batch: tuple, trainer: Trainer) -> tuple[bool, bool]:
+def randomness(model: nn.Module, run: Run, batch: tuple) -> tuple[bool, bool]:
     """Whether `batch`'s gradients depend on the seed (random), and repeat with one (repeatable)."""
-    first, again, other = (gradients(model, task, batch, trainer, seed) for seed in (0, 0, 1))
+    first, again, other = (gradients(model, run, batch, seed) for seed in (0, 0, 1))
     same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     seeded = all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     return same and not seeded, same
 
 
-def gradients(
-    model: nn.Module, task: Task, batch: tuple, trainer: Trainer, seed: int = 0
-) -> list[torch.Tensor]:
+def gradients(model: nn.Module, run: Run, batch: tuple, seed: int = 0) -> list[torch.Tensor]:
     """The gradients of the task's loss on one process's `batch`, as training computes them."""
-    inputs, targets, _ = batch
+    inputs, targets, task = *batch[:2], run.task
     count = task.count(inputs, targets)  # one process's batch: its own count is the global one
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
-    with trainer.autocast(inputs.device):
+    with run.autocast():
         loss = task.loss(model(inputs), inputs, targets) / count
     loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from src.engine import storage
+from src.engine.core.context import Run
 from src.engine.core.task import Task
 from src.engine.data import Data
 from src.engine.logger import logged, measured
@@ -39,6 +40,21 @@ def predict(model: nn.Module, data: Data, task: Task, count: int = 32) -> Predic
     images, targets = data.sample("test", count)
     captions = task.captions(model(data.normalise(images)), targets, data.class_names)
     return None if captions is None else Predicted(images.cpu(), captions)
+
+
+def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
+    """The run's pictures, into its folder and to its tracker; then every rank stops together if
+    the storage refused a file of the run, and none leaves the process group while another still
+    uses it."""
+    unwritten = run.logger and run.logger.fault  # metrics.jsonl, refused by the storage
+    # Every rank predicts: under FSDP a forward needs them all.
+    shown = predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
+    if pictures and run.process.is_main and not unwritten:
+        draws = lambda: run.logger.log_images(draw(run.run_dir, shown, run.data))  # noqa: E731
+        unwritten = storage.attempt(draws)
+    if unwritten := storage.agree(run.process, unwritten or None):
+        kept = run.checkpointer and run.checkpointer.kept
+        raise storage.stopped(unwritten, run.run_dir, step, kept or None)
 
 
 def draw(run_dir: Path, shown: Predicted | None, data: Data) -> list[Path]:

@@ -15,8 +15,8 @@ import torch
 from src.engine import checkpoint
 from src.engine.core.context import Hook, Run
 from src.engine.core.evaluate import evaluate
+from src.engine.core.loop import train_step
 from src.engine.core.state import Parts, Progress
-from src.engine.core.step import train_step
 
 log = logging.getLogger(__name__)
 
