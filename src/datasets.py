@@ -1,17 +1,7 @@
-"""Where the data come from: find (or download) a dataset's files and read each split as a
-map-style `Dataset` of (input, target) pairs. The classes here give images (uint8 C×H×W) and int
-labels: `IDX` (MNIST-style files), `CIFAR10`, `Torchvision` (any torchvision dataset of PIL
-images) and `ImageFolder` (your own, one folder per class); one of your own may give inputs and
-targets of any shape and dtype, which `src/engine/data.py` batches as they are.
-
-Each has `prepare()` (find or download the files: one process per machine runs it while the
-others wait), `split(name)` (the `train` or `test` Dataset; one with `tensors()`, as `Tensors`,
-is handed over whole) and `classes` (the label names, or None, known after `split`). It is named
-by `dataset:` in a `conf/data/` file and gets that file's keys that `src/engine/data.py` does
-not take, and those of `src/engine/data.py`'s own (image_size, seed, …) it names. A class whose
-samples are decoded one by one may have `cache_path(split)` and `fingerprint(dataset)`, as
-`ImageFolder`: they are then kept decoded in that cache file.
-"""
+"""Where the data come from, named by `dataset:` in `conf/data/`: each class finds (or downloads)
+a dataset's files in `prepare()` (once per machine), reads a split as a `Dataset` of (input,
+target) in `split(name)` (one with `tensors()`, as `Tensors`, is handed over whole), then knows its
+`classes`; with `cache_path` and `fingerprint`, its samples are decoded once, into a cache file."""
 
 from __future__ import annotations
 
@@ -24,10 +14,10 @@ import logging
 import math
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from tempfile import TemporaryDirectory, TemporaryFile
 
 import numpy as np
 import torch
@@ -41,8 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class Tensors(Dataset):
-    """A split already in memory: inputs N×… (uint8 images N×C×H×W, float features, tokens) and
-    their targets N×…, handed over whole by `tensors()` rather than one sample at a time."""
+    """A split in memory (inputs N×…, targets N×…), handed over whole by `tensors()`."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
         self.inputs, self.targets = inputs, targets
@@ -75,15 +64,12 @@ def torchvision_dataset(name: str) -> type:
     except (ImportError, AttributeError) as err:
         raise UserError(
             f"data.torchvision_class={name} is no class that can be imported ({first_line(err)}): "
-            "name one of torchvision.datasets (SVHN, KMNIST, ...) or give a class's dotted path "
-            "(my_package.datasets.MyDataset)."
+            "name one of torchvision.datasets (SVHN, ...) or a dotted path (my_package.MyDataset)."
         ) from None
 
 
 class Torchvision:
-    """Any torchvision dataset of (PIL image, label) samples (KMNIST, SVHN, …), asked for a split
-    by `split_argument`: `train` (train=True/False, as MNIST) or `split` (split="train", as SVHN).
-    Images are converted and resized as an image folder's (`in_channels`, `image_size`)."""
+    """Any torchvision dataset of (PIL image, label) (KMNIST, SVHN…), converted as ImageFolder's."""
 
     what, download_size = "files", None  # for the messages (a full disk names the size)
 
@@ -115,19 +101,17 @@ class Torchvision:
         return True
 
     def prepare(self) -> None:
-        if self.found():
-            return
-        reason = self._download() if self.download else "data.download=false"
         if not self.found():
-            raise self.missing(reason)
+            reason = self._download() if self.download else "data.download=false"
+            if not self.found():
+                raise self.missing(reason)
 
     def _download(self) -> str:
-        """Download with torchvision into a folder beside `root`'s files, then move them in (a
-        failed download leaves no partial file); return why it brought no files."""
-        name, root = self.torchvision_class, self.root
+        """Download into a folder beside `root`'s files, then move them in; say why none came."""
+        name, root, size = self.torchvision_class, self.root, self.download_size
         try:  # can files be written there (the folder made if missing)?
             root.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=root).close()
+            TemporaryFile(dir=root).close()
         except OSError as err:
             raise UserError(
                 f"{name} {self.what} not found in {root}, and data.root={root} cannot be written "
@@ -135,26 +119,31 @@ class Torchvision:
                 f"folder, or put the {self.what} in it."
             ) from None
         log.info("%s not found in %s: downloading it with torchvision", name, root)
-        try:  # one staging folder per process
-            with tempfile.TemporaryDirectory(
-                dir=root, prefix=f".{name}.", ignore_cleanup_errors=True
-            ) as staging:
+        try:  # one staging folder per process: a failed download leaves no partial file
+            staging = TemporaryDirectory(dir=root, prefix=f".{name}.", ignore_cleanup_errors=True)
+            with staging as folder:
                 for split in ("train", "test"):
-                    self._open(split, Path(staging), download=True)
-                for file in sorted(p for p in Path(staging).rglob("*") if p.is_file()):
-                    target = root / file.relative_to(staging)
+                    self._open(split, Path(folder), download=True)
+                for file in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+                    target = root / file.relative_to(folder)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(file, target)
         except Exception as err:  # noqa: BLE001 - any network failure means the same to the user
-            return download_failed(err, root, self.download_size)
+            if isinstance(err, OSError) and err.errno in storage.FULL:  # a full disk stops the run
+                reason, fix = storage.FULL[err.errno]
+                takes = f": the dataset takes about {size}" if size else ""
+                raise UserError(
+                    f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
+                    f"download is removed. {fix}, or set data.root to a folder with room{takes}."
+                ) from None
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
+            return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
         return "the download did not bring them"
 
     def missing(self, reason: str) -> UserError:
-        """What to do when the files are neither found nor downloaded, and why (`reason`)."""
         return UserError(
-            f"torchvision's {self.torchvision_class} not found in {self.root}, and {reason}. "
-            "Point data.root at the folder that holds its files as torchvision lays them out, "
-            "or download them there on a machine with internet."
+            f"torchvision's {self.torchvision_class} not found in {self.root}, and {reason}. Point "
+            "data.root at its files (as torchvision lays them out), or download them there online."
         )
 
     def split(self, name: str) -> Dataset:
@@ -175,8 +164,7 @@ class Torchvision:
 
 
 class CIFAR10(Torchvision):
-    """CIFAR-10 (60,000 images 32×32, 10 classes) from `root/cifar-10-batches-py`, read whole by
-    torchvision's class, which checks the files' checksums."""
+    """CIFAR-10 (60,000 32×32 images, 10 classes) in `root/cifar-10-batches-py`, checksummed."""
 
     download_size = "170 MB"
 
@@ -194,8 +182,7 @@ class CIFAR10(Torchvision):
     def missing(self, reason: str) -> UserError:
         return UserError(
             f"CIFAR-10 not found in {self} (or its files do not match torchvision's checksums), "
-            f"and {reason}. Point data.root at the folder that holds cifar-10-batches-py, or "
-            "download it there on a machine with internet."
+            f"and {reason}. Point data.root at cifar-10-batches-py's folder, or download it online."
         )
 
     def split(self, name: str) -> Tensors:
@@ -209,8 +196,7 @@ class CIFAR10(Torchvision):
 
 
 class IDX(Torchvision):
-    """An MNIST-style dataset (MNIST, Fashion-MNIST, ...) read straight from its four IDX files of
-    28×28 grey images and labels, in `root` or torchvision's `root/<Class>/raw`."""
+    """An MNIST-style dataset's four IDX files (28×28 grey), in `root` or `root/<Class>/raw`."""
 
     what, download_size = "IDX files", "70 MB"
 
@@ -242,11 +228,9 @@ class IDX(Torchvision):
         folder = find_idx_folder(self.root, self.torchvision_class)
         image_path, label_path = (find_file(folder, file) for file in IDX_FILES[name])
         images, labels = read_idx(image_path), read_idx(label_path)
-        if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28):
-            raise UserError(
-                f"{image_path} holds images of shape {tuple(images.shape)}, not N×28×28."
-            )
-        if labels.dim() != 1 or len(labels) != len(images):
+        if images.shape[1:] != (28, 28):
+            raise UserError(f"{image_path} holds images {tuple(images.shape)}, not N×28×28.")
+        if labels.shape != images.shape[:1]:
             raise UserError(
                 f"{label_path} holds {tuple(labels.shape)} labels for {len(images)} images in "
                 f"{image_path}: the two files do not belong together."
@@ -266,8 +250,7 @@ IDX_FILES = {
 def read_idx(path: Path) -> torch.Tensor:
     """Read one IDX file of unsigned bytes, gzipped or not, checking its header and its length."""
     try:
-        raw = path.read_bytes()
-        raw = gzip.decompress(raw) if path.suffix == ".gz" else raw
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError, zlib.error) as err:
         raise UserError(
             f"Could not read {path}: it is truncated or not a valid gzip file ({err}). "
@@ -284,14 +267,12 @@ def read_idx(path: Path) -> torch.Tensor:
     if len(raw) != header + math.prod(shape):
         raise UserError(
             f"{path} is truncated or corrupt: its header announces shape {shape}, which needs "
-            f"{header + math.prod(shape)} bytes, but it holds {len(raw)}. "
-            "Replace it with a good copy."
+            f"{header + math.prod(shape)} bytes; it holds {len(raw)}. Replace it with a good copy."
         )
     if not math.prod(shape):
         raise UserError(
             f"{path} holds no {'labels' if raw[3] == 1 else 'images'} (its header announces "
-            f"shape {shape}): a split cannot be empty. Replace it with a file that holds its "
-            "split, such as the original."
+            f"shape {shape}): a split cannot be empty. Replace it with the original file."
         )
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
 
@@ -323,23 +304,8 @@ class Converted(Dataset):
         return to_uint8(image, self.in_channels, self.image_size), int(label)
 
 
-def download_failed(err: Exception, root: Path, size: str | None) -> str:
-    """Why a download failed, in a few words; a full disk stops the run with its own message."""
-    if isinstance(err, OSError) and err.errno in storage.FULL:
-        reason, fix = storage.FULL[err.errno]
-        takes = f": the dataset takes about {size}" if size else ""
-        raise UserError(
-            f"The download into {root} stopped: {reason} ({err.strerror}). The partial "
-            f"download is removed. {fix}, or set data.root to a folder with room{takes}."
-        ) from None
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
-    return f"the download failed ({' '.join(dict.fromkeys([lines[0], lines[-1]]))})"
-
-
 class ImageFolder:
-    """Images (any format PIL reads) in `root/train/<class>/` and `root/test/<class>/`, converted
-    to grey (`in_channels=1`) or RGB (3), resized and centre-cropped to `image_size` if given;
-    without it, all must share one square size."""
+    """Images (any format PIL reads) in `root/train/<class>/` and `root/test/<class>/`."""
 
     def __init__(self, root: str, image_size: int | None = None, in_channels: int = 3):
         if in_channels not in (1, 3):
@@ -348,34 +314,32 @@ class ImageFolder:
         self.classes: list[str] | None = None
 
     def prepare(self) -> None:
-        """Check the layout, the classes and the file headers (sizes), before any is decoded."""
-        train, test = (self._samples(name) for name in ("train", "test"))
-        if train[0] != test[0]:
+        """Check the folders, the classes and the images' headers (sizes) before any is decoded."""
+        train, test = self.split("train"), self.split("test")
+        if train.classes != test.classes:
             raise UserError(
-                f"{self.root / 'test'} has the classes {test[0]} but {self.root / 'train'} has "
-                f"{train[0]}: both need the same class folders, one per label."
+                f"{self.root / 'test'} has the classes {test.classes} but {self.root / 'train'} "
+                f"has {train.classes}: both need the same class folders, one per label."
             )
         sizes: dict[tuple[int, int], str] = {}
-        for path, _ in train[1] + test[1]:
+        for path, _ in train.samples + test.samples:
             with opened(path) as image:
                 sizes.setdefault(image.size, path)
-        if self.image_size is not None:
-            return
-        if len(sizes) > 1:
+        if self.image_size is None and len(sizes) > 1:
             (size, first), (other, second), *_ = sizes.items()
             raise UserError(
                 f"{first} is {size[0]}×{size[1]} but {second} is {other[0]}×{other[1]}: set "
                 "data.image_size (e.g. 64) to resize and centre-crop them all to one square size."
             )
-        ((width, height),) = sizes
-        if width != height:
+        (width, height), *_ = sizes
+        if self.image_size is None and width != height:
             raise UserError(
                 f"The images are {width}×{height}, not square: set data.image_size "
                 f"(e.g. {min(width, height)}) to resize and centre-crop them."
             )
 
-    def _samples(self, name: str) -> tuple[list[str], list[tuple[str, int]]]:
-        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    def split(self, name: str) -> Dataset:
+        from torchvision.datasets import ImageFolder as Folder
 
         folder = self.root / name
         if not folder.is_dir():
@@ -384,23 +348,16 @@ class ImageFolder:
                 f"and {self.root}/test/<class>/…: one folder per class, holding its images."
             )
         try:
-            classes, index = find_classes(str(folder))
-            return classes, make_dataset(str(folder), index, IMG_EXTENSIONS)
+            dataset = Folder(str(folder), loader=self.load)
         except FileNotFoundError as err:  # no class folder, or one without images
             raise UserError(
                 f"{folder}: {err}".rstrip(". ") + ". Every class folder needs at least one "
                 "image; remove empty ones."
             ) from None
-
-    def split(self, name: str) -> Dataset:
-        from torchvision.datasets import ImageFolder as Folder
-
-        dataset = Folder(str(self.root / name), loader=self.load)
         self.classes = dataset.classes
         return dataset
 
     def load(self, path: str) -> torch.Tensor:
-        """One image file as a uint8 tensor C×H×W, converted and resized as configured."""
         with opened(path) as image:
             image.load()
             return to_uint8(image, self.in_channels, self.image_size)
@@ -422,8 +379,7 @@ class ImageFolder:
 
 @contextlib.contextmanager
 def opened(path: str) -> Iterator[Image.Image]:
-    """The image file opened by Pillow; one it cannot decode is named in one sentence, as is one
-    whose header announces more than twice Image.MAX_IMAGE_PIXELS (a decompression bomb)."""
+    """The image file opened by Pillow; one it cannot decode (or a decompression bomb) named."""
     try:
         with Image.open(path) as image:
             yield image
@@ -439,29 +395,22 @@ def opened(path: str) -> Iterator[Image.Image]:
 
 
 def to_uint8(image: Image.Image, in_channels: int, image_size: int | None) -> torch.Tensor:
-    """A PIL image as a uint8 tensor C×H×W, grey (1) or RGB (3), resized and centre-cropped as
-    torchvision's Resize and CenterCrop do. Per-sample transforms of your own go here."""
+    """A PIL image as uint8 C×H×W, converted and resized as asked; your own transforms go here."""
     from torchvision.transforms import functional
 
-    image = eight_bits(image).convert("L" if in_channels == 1 else "RGB")
+    if image.mode.startswith("I;16") or image.mode == "I":  # convert() would clip 16 bits (white)
+        pixels = np.asarray(image, dtype=np.int64).clip(0, 65535) >> 8
+        image = Image.fromarray(pixels.astype(np.uint8), mode="L")
+    image = image.convert("L" if in_channels == 1 else "RGB")
     if image_size:
         image = functional.center_crop(functional.resize(image, image_size), image_size)
     return functional.pil_to_tensor(image)
 
 
 def decoding(*settings: object) -> hashlib._Hash:
-    """A digest of how images are decoded (`settings`, `to_uint8`'s code, Pillow's and torchvision's
-    versions): a cache of decoded images is read only while it is unchanged."""
+    """A digest of how images are decoded (`settings`, `to_uint8`, Pillow and torchvision)."""
     import PIL
     import torchvision
 
     versions = [PIL.__version__, torchvision.__version__]
     return hashlib.sha256(f"{list(settings)} {versions} {inspect.getsource(to_uint8)}".encode())
-
-
-def eight_bits(image: Image.Image) -> Image.Image:
-    """A 16-bit grey image scaled to 8 bits; Pillow's convert() would clip it (to white)."""
-    if image.mode.startswith("I;16") or image.mode == "I":
-        pixels = np.asarray(image, dtype=np.int64).clip(0, 65535) >> 8
-        return Image.fromarray(pixels.astype(np.uint8), mode="L")
-    return image

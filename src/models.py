@@ -1,6 +1,4 @@
-"""The reference networks. The classifiers take N×C×H×W images and return logits; the data tells
-them its input's channels (`in_channels`), height and width (`image_size`) and its
-`num_classes`. The autoencoder takes any sample's shape (`input_shape`) and returns its own."""
+"""The reference networks: classifiers of N×C×H×W images to logits, an autoencoder of any shape."""
 
 import math
 
@@ -22,12 +20,9 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """The pytorch/examples MNIST network, with its layer names, so its checkpoints load here.
-
-    The original ends in log_softmax and trains with nll_loss; returning logits and training with
-    cross_entropy computes the same thing. `batch_norm=True` adds BatchNorm after each convolution
-    (bn1, bn2), the layer whose running statistics DDP does not keep equal across ranks.
-    """
+    """The pytorch/examples MNIST network, with its layer names, so its checkpoints load here. Its
+    log_softmax and nll_loss are these logits and cross_entropy. `batch_norm=True` adds BatchNorm
+    after each convolution (bn1, bn2), the layer whose running statistics DDP does not sync."""
 
     def __init__(
         self,
@@ -43,11 +38,9 @@ class CNN(nn.Module):
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
         self.bn1 = nn.BatchNorm2d(32) if batch_norm else nn.Identity()
         self.bn2 = nn.BatchNorm2d(64) if batch_norm else nn.Identity()
-        self.dropout1 = nn.Dropout(dropout1)
-        self.dropout2 = nn.Dropout(dropout2)
+        self.dropout1, self.dropout2 = nn.Dropout(dropout1), nn.Dropout(dropout2)
         pooled = (image_size - 4) // 2  # two 3×3 convolutions, then a 2×2 pool: 12 for 28
-        self.fc1 = nn.Linear(64 * pooled * pooled, 128)
-        self.fc2 = nn.Linear(128, num_classes)
+        self.fc1, self.fc2 = nn.Linear(64 * pooled * pooled, 128), nn.Linear(128, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn1(self.conv1(x)))
@@ -58,10 +51,8 @@ class CNN(nn.Module):
 
 
 def resnet18(in_channels: int, num_classes: int, small_images: bool) -> nn.Module:
-    """torchvision's ResNet-18, untrained. `small_images`: the stem used for CIFAR-sized inputs,
-    a 3×3 convolution of stride 1 and no max-pool, instead of ImageNet's 7×7 of stride 2 and a
-    pool, which would shrink a 32×32 image to 8×8 before the first block. Any image size works:
-    the network ends in an adaptive pool."""
+    """torchvision's ResNet-18, untrained, for any image size. `small_images` (CIFAR's 32×32): a
+    3×3 stem of stride 1 and no max-pool, not ImageNet's, which would leave 8×8 to the blocks."""
     from torchvision.models import resnet18 as torchvision_resnet18
 
     model = torchvision_resnet18(num_classes=num_classes)
@@ -74,9 +65,8 @@ def resnet18(in_channels: int, num_classes: int, small_images: bool) -> nn.Modul
 
 
 class AutoEncoder(nn.Module):
-    """Flatten → Linear → ReLU → Linear to a `code` → ReLU → Linear → ReLU → Linear back, shaped
-    as the input: learns to reconstruct its input through a narrow code (task=regression
-    task.target=input). Any sample shape: `input_shape` is the data's (C×H×W for images)."""
+    """Flatten → Linear → ReLU → Linear to a narrow `code`, and back to a sample of `input_shape`
+    (C×H×W for images): learns to reconstruct its input (task=regression task.target=input)."""
 
     def __init__(self, input_shape: list[int], hidden: int, code: int):
         super().__init__()

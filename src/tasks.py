@@ -1,8 +1,5 @@
-"""The template's two tasks, classification and regression, each a class with the contract of
-`src/engine/core/task.py` (`count`, `loss`, `sums`, `metrics`).
-
-A task is named by `conf/task/*.yaml` (`_target_`); a fork writes its own, in any importable file.
-"""
+"""The template's two tasks, classification and regression, each with the contract of
+`src/engine/core/task.py`; a fork names its own by `_target_` in `conf/task/*.yaml`."""
 
 from __future__ import annotations
 
@@ -10,16 +7,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from src.engine.errors import UserError
 
 
 class Classification:
     """One class per sample (or per pixel, for N×H×W targets): cross-entropy, and accuracy.
-
-    `label_smoothing` (0 to 1) softens the training loss's targets; the evaluated loss stays the
-    plain cross-entropy, so runs with and without it compare on one scale.
-    """
+    `label_smoothing` (0 to 1) softens the training loss's targets only; the evaluated loss stays
+    the plain cross-entropy, so runs with and without it compare on one scale."""
 
     modes = {"loss": "min", "acc": "max"}
 
@@ -31,31 +27,23 @@ class Classification:
             )
         self.label_smoothing = label_smoothing
 
-    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    def count(self, inputs: Tensor, targets: Tensor) -> int:
         return targets.numel()
 
-    def loss(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        return F.cross_entropy(
-            outputs, targets, reduction="sum", label_smoothing=self.label_smoothing
-        )
+    def loss(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> Tensor:
+        smoothing = self.label_smoothing
+        return F.cross_entropy(outputs, targets, reduction="sum", label_smoothing=smoothing)
 
-    def sums(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> dict[str, Any]:
+    def sums(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> dict[str, Any]:
         outputs = outputs.float()
-        return {
-            "loss": F.cross_entropy(outputs, targets, reduction="none"),
-            "correct": outputs.argmax(dim=1) == targets,
-        }
+        loss = F.cross_entropy(outputs, targets, reduction="none")
+        return {"loss": loss, "correct": outputs.argmax(dim=1) == targets}
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        count = sums["count"]
-        return {"loss": sums["loss"] / count, "acc": sums["correct"] / count,
-                "correct": int(sums["correct"])}  # fmt: skip
+        correct, count = sums["correct"], sums["count"]
+        return {"loss": sums["loss"] / count, "acc": correct / count, "correct": int(correct)}
 
-    def check(self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def check(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
         if targets.is_floating_point() or targets.dtype == torch.bool:
             raise UserError(
                 f"task=classification takes class numbers as targets, and the data's are "
@@ -70,23 +58,19 @@ class Classification:
             )
 
     def captions(
-        self, outputs: torch.Tensor, targets: torch.Tensor, class_names: list[str] | None
+        self, outputs: Tensor, targets: Tensor, class_names: list[str] | None
     ) -> list[tuple[str, bool]] | None:
         """Under each image, the predicted class, and the true one where it is wrong (in red)."""
         if targets.ndim != 1:
             return None
         names = class_names or [str(i) for i in range(outputs.shape[1])]
-        shown = []
-        for guess, truth in zip(outputs.argmax(dim=1).tolist(), targets.tolist(), strict=True):
-            wrong = guess != truth
-            shown.append((names[guess] + (f"\n(true: {names[truth]})" if wrong else ""), wrong))
-        return shown
+        pairs = zip(outputs.argmax(dim=1).tolist(), targets.tolist(), strict=True)
+        return [(names[p] + (f"\n(true: {names[t]})" if p != t else ""), p != t) for p, t in pairs]
 
 
 class Regression:
-    """Real-valued targets of any shape (a reconstruction, a measurement): the mean squared error
-    over every target value, and the mean absolute error. `target=input` learns the (normalised)
-    input itself: an autoencoder."""
+    """Real-valued targets of any shape: the mean squared error over every target value, and the
+    mean absolute error. `target=input` learns the (normalised) input itself: an autoencoder."""
 
     modes = {"loss": "min", "mae": "min"}
 
@@ -95,27 +79,23 @@ class Regression:
             raise UserError(f"task.target={target} is not allowed: use target or input.")
         self.target = target
 
-    def _targets(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _targets(self, inputs: Tensor, targets: Tensor) -> Tensor:
         return inputs if self.target == "input" else targets
 
-    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    def count(self, inputs: Tensor, targets: Tensor) -> int:
         return self._targets(inputs, targets).numel()
 
-    def loss(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
+    def loss(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> Tensor:
         return F.mse_loss(outputs, self._targets(inputs, targets), reduction="sum")
 
-    def sums(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> dict[str, Any]:
+    def sums(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> dict[str, Any]:
         error = outputs.float() - self._targets(inputs, targets).float()
         return {"loss": error.square(), "mae": error.abs()}
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["loss"] / sums["count"], "mae": sums["mae"] / sums["count"]}
 
-    def check(self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def check(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
         targets = self._targets(inputs, targets)
         if not targets.is_floating_point():
             raise UserError(

@@ -87,7 +87,10 @@ def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
     state = checkpoint.load(path, Process(device=torch.device("cuda")), Single(), weights_only=True)
     fresh = torch.optim.Adam(model.parameters())
     state |= {"rng": [checkpoint.rng_state()]}
-    parts = {"optimizer": OptimizerState(fresh, model, Single()), "rng": RandomState(Process())}
+    parts = {
+        "optimizer": OptimizerState(fresh, model, Single()),
+        "rng": RandomState(Process(), 0, Single()),
+    }
     load_parts(parts, state)
     assert fresh.state[model.weight]["step"].device.type == "cpu"
     assert fresh.state[model.weight]["exp_avg"].device.type == "cuda"

@@ -288,7 +288,7 @@ def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
         "rng": [rng_state()],
     }
     assert state["scaler"] == {}
-    streams = RandomState(Process())
+    streams = RandomState(Process(), 0, Single())
     load_parts(
         {
             "optimizer": OptimizerState(resumed.optimizer, resumed.model, Single()),

@@ -76,11 +76,14 @@ class OptimizerState:
 
 
 class RandomState:
-    """Every rank's random generators: dropout draws its own masks on each rank, so each rank
-    continues its own stream (with another number of ranks, they start afresh)."""
+    """Every rank's random generators, seeded afresh (`seed` + rank: dropout draws its own masks
+    on each rank, and the strategy seeds what it draws on beyond) until a checkpoint's are loaded;
+    with another number of ranks, they start afresh."""
 
-    def __init__(self, process: Process):
+    def __init__(self, process: Process, seed: int, strategy: Strategy):
         self.process, self.continued = process, False
+        seed_everything(seed + process.rank)
+        strategy.seed(seed)  # dp: each GPU's replica its own stream
 
     def state_dict(self) -> list[dict[str, Any]]:
         return self.process.all_gather_object(rng_state())  # every rank calls it
@@ -97,6 +100,13 @@ class RandomState:
             return
         set_rng_state(states[self.process.rank])
         self.continued = True
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and PyTorch's default random generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
@@ -166,11 +176,24 @@ class Checkpointer:
         strategy: Strategy,
         parts: dict[str, Any],
         metadata: dict[str, Any],
+        resumed: tuple[Path, dict] | None = None,
     ):
+        """The `parts`, given their state back from the `resumed` checkpoint (path, contents),
+        which is kept until this one writes its own; a fork's part is checked first."""
         self.policy, self.run_dir, self.process, self.strategy = policy, run_dir, process, strategy
         self.parts, self.metadata = parts, metadata  # metadata: the config, the wandb run's id
-        self.last, self.best = (run_dir / "checkpoints" / n for n in ("last.pt", "best.pt"))
+        folder = Path(run_dir or ".") / "checkpoints"
+        self.last, self.best = folder / "last.pt", folder / "best.pt"
+        for name in set(parts) - {*PARTS, "scaler"}:
+            check_part(name, parts[name])
         self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
+        if resumed:  # the model's weights were loaded as it was built
+            path, state = resumed
+            load_parts({k: v for k, v in parts.items() if k != "model"}, state)
+            if shards := state.get(SHARDS):  # checkpoint.sharded=true: each rank its own
+                optimizer = parts["optimizer"].optimizer
+                strategy.load_shards(parts["model"].model, Path(shards), optimizer)
+            self.kept = (path, state["progress"]["step"])
 
     def save(self, step: int) -> None:
         """`last.pt`, as training stands now (every rank calls it)."""

@@ -283,6 +283,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         monitor, known = self.checkpoint.monitor, modes(self.task)
+        self.checkpoint.mode = checkpoint_mode(monitor, self.checkpoint.mode, known)
         if known and monitor.removeprefix("val/") not in known:
             metrics = " or ".join(f"val/{name}" for name in known)
             raise UserError(f"checkpoint.monitor={monitor} is not a metric this task returns: "

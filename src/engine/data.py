@@ -1,14 +1,8 @@
-"""The data in memory, batched for this process: the same way for every dataset.
-
-A dataset class (`src/datasets.py`, or your own) reads each split as (input, target) pairs of any
-shape and dtype; `Data` holds `train`, `val` (`data.val_size` samples held out of the training
-split, drawn by `data.split_seed` alone) and `test`, and batches them. Only images (uint8 C×H×W)
-are normalised (`data.mean`/`data.std`) and augmented; float inputs reach the model in the run's
-float dtype, others as read. `loader=tensor` decodes each split once (an image folder's into a
-cache file) into tensors on the training device and gathers batches by index, with no per-sample
-Python; `loader=torch` reads samples through a `DataLoader`, for data too big for memory. Both
-give the very same batches, in `GlobalBatchSampler`'s order (a function of `seed` and the epoch).
-"""
+"""The data, batched for this process the same way for every dataset: a dataset class (yours, or
+`src/datasets.py`'s) reads each split as (input, target) pairs of any shape and dtype, and `Data`
+holds `train`, `val` (held out of the training split) and `test`. Only images (uint8 C×H×W) are
+normalised and augmented. `loader=tensor` holds each split as tensors on the device and gathers
+batches by index; `loader=torch` reads samples through a `DataLoader`; the batches are the same."""
 
 from __future__ import annotations
 
@@ -38,9 +32,8 @@ INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # c
 
 
 class GlobalBatchSampler:
-    """This rank's share, by stride, of each global batch of DistributedSampler's permutation
-    (seeded by `seed + epoch`); the last, partial batch is split as it is, not padded with
-    repeated samples, so an epoch is the same for every world size."""
+    """This rank's share, by stride, of each global batch of DistributedSampler's permutation; the
+    last, partial batch is split as it is, not padded: an epoch is the same for any world size."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
@@ -68,16 +61,9 @@ class GlobalBatchSampler:
         return (index.tolist() for index in self.index_batches())
 
 
-def hold_out(count: int, size: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Indices of `count` samples, sorted: the rest and `size` held out, drawn by `seed` alone."""
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    return order[size:].sort().values, order[:size].sort().values
-
-
 class Data:
-    """A dataset's three splits, batched for this process. `batch_size` is the global batch of one
-    step. `dataset` names the class that reads the files: it gets the keys this class does not
-    take (root, download, ...), and those of this class's own (image_size, seed, ...) it names."""
+    """A dataset's three splits, batched for this process. `dataset` names the class that reads
+    the files: it gets the keys Data does not take, and those of Data's own that it names."""
 
     def __init__(
         self,
@@ -141,8 +127,7 @@ class Data:
         if self.batch_size < 1 or self.batch_size % process.world_size:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
-                f"processes. Use a multiple of {process.world_size}: it is the global batch, "
-                "and each rank takes an equal share.",
+                f"processes: use a multiple of {process.world_size} (the ranks share it equally).",
                 every_rank=True,
             )
         # One process per machine finds (or downloads) the files and decodes them while the others
@@ -185,11 +170,10 @@ class Data:
         """loader=torch: DataLoaders of the training order and of each rank's evaluation share."""
         collate_empty = functools.partial(collate, empty=self.empty_batch())
         loader = functools.partial(DataLoader, collate_fn=collate_empty, **self.workers)
-        self.train_loader = loader(self.train, batch_sampler=self.sampler)
-        self.eval_loaders = {}
+        self.loaders = {"train": loader(self.train, batch_sampler=self.sampler)}
         for split in ("val", "test"):  # this rank's every world_size-th sample, as `_raw` takes
             mine = Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
-            self.eval_loaders[split] = loader(mine, batch_size=self.test_batch_size)
+            self.loaders[split] = loader(mine, batch_size=self.test_batch_size)
 
     def _read(self, name: str) -> Split:
         """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
@@ -212,9 +196,10 @@ class Data:
                 f"data.val_size={self.val_size} leaves no training images: the training split "
                 f"of {self.source} holds {count}. Hold out fewer (0 for none)."
             )
-        # Positions in the training split; `subset` takes the first training images among them.
-        self.train_index, self.val_index = hold_out(count, self.val_size, self.split_seed)
-        self.train_index = self.train_index[: self.subset]
+        # Positions in the training split, drawn by split_seed alone; `subset` takes the first.
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(self.split_seed))
+        self.train_index = order[self.val_size :].sort().values[: self.subset]
+        self.val_index = order[: self.val_size].sort().values
 
         def cut(index: Tensor) -> Split:  # on the CPU: the device holds each image once
             if isinstance(train, tuple):
@@ -362,8 +347,7 @@ class Data:
     def _raw(self, split: str) -> Iterator[Batch]:
         """This rank's batches of `split` on the training device, as the dataset gives them."""
         if self.loader == "torch":
-            loader = self.train_loader if split == "train" else self.eval_loaders[split]
-            for batch in read(loader):  # pinned memory: asynchronous copies
+            for batch in read(self.loaders[split]):  # pinned memory: asynchronous copies
                 yield tuple(t.to(self.device, non_blocking=True) for t in batch)
             return
         if split == "train":
@@ -408,8 +392,7 @@ class Normalise:
 
 class Augment:
     """CIFAR's augmentation on the device: a random crop of each image padded by `pad` black pixels,
-    and a horizontal flip of half of them. Drawn for the global batch from (seed, epoch, step), so
-    the same for any number of processes, and repeated by a resume."""
+    and a horizontal flip of half: drawn per global batch from (seed, epoch, step), not per rank."""
 
     def __init__(self, pad: int, seed: int, rank: int, world_size: int):
         self.pad, self.seed, self.rank, self.world_size = pad, seed, rank, world_size
@@ -478,8 +461,7 @@ def is_image(input: Tensor) -> bool:
 
 
 def mean_and_std(batches: Iterator[Tensor]) -> tuple[list[float], list[float]]:
-    """Per-channel mean and standard deviation of uint8 images, on the 0-1 scale, summed exactly
-    in integers so that any batching and any device give the very same values."""
+    """Per-channel mean and std of uint8 images (0-1 scale), exact in integers for any batching."""
     total = squares = count = 0
     for images in batches:
         pixels = images.transpose(0, 1).flatten(1).long()  # C×(N·H·W)

@@ -1,5 +1,4 @@
-"""Where the main process's metrics go: `metrics.jsonl` in the run folder, and wandb when
-`logger=wandb`. A tracker failure never stops training: one warning, then `metrics.jsonl` alone."""
+"""The main process's metrics: `metrics.jsonl`, and wandb, whose failures only warn."""
 
 from __future__ import annotations
 
@@ -8,8 +7,8 @@ import json
 import logging
 import netrc
 import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,13 +16,10 @@ from urllib.parse import urlsplit
 from src.engine import storage
 from src.engine.parallel import Process
 
-log = logging.getLogger(__name__)
-
 
 class MetricsLogger(AbstractContextManager):
-    """Appends one JSON line per `log` to `metrics.jsonl` (after a resumed run's `history`), and
-    hands it to the tracker. A line the storage refuses is taken back whole and kept as `fault`,
-    which training stops on where the ranks next meet; nothing more is written."""
+    """A JSON line per `log` appended to `metrics.jsonl` (after a resumed run's `history`), handed
+    to the tracker; a refused line is taken back whole and kept as `fault`, then nothing written."""
 
     def __init__(self, run_dir: Path, tracker: Any | None = None, history: list[dict] = ()):
         self.path, self.tracker, self.file = run_dir / "metrics.jsonl", tracker, None
@@ -35,8 +31,7 @@ class MetricsLogger(AbstractContextManager):
         self.file = self.path.open("ab", buffering=0)  # each line reaches the file at once
 
     def log(self, metrics: dict[str, Any]) -> None:
-        if not self.fault:
-            self.fault = storage.attempt(lambda: self._append(metrics), self.path)
+        self.fault = self.fault or storage.attempt(lambda: self._append(metrics), self.path)
         if self.tracker is not None:
             self.tracker.log(metrics)
 
@@ -62,10 +57,7 @@ class MetricsLogger(AbstractContextManager):
         if self.tracker is not None:
             self.tracker.summary(values)
 
-    @property
-    def run_id(self) -> str | None:
-        """The tracker's id of this run (wandb's run id), if it has one."""
-        return getattr(self.tracker, "run_id", None)
+    run_id = property(lambda self: getattr(self.tracker, "run_id", None))  # wandb's run id, if any
 
     def close(self, failed: bool = False) -> None:
         if self.file:
@@ -78,8 +70,7 @@ class MetricsLogger(AbstractContextManager):
 
 
 class WandbTracker:
-    """One wandb run with the resolved config, its files in the run folder; given a resumed run's
-    `run_id`, it continues that run."""
+    """One wandb run (a resumed `run_id`'s continued), its files in the run folder."""
 
     def __init__(
         self,
@@ -96,109 +87,82 @@ class WandbTracker:
     ):
         import wandb  # imported only when wandb is used
 
-        self.run = None
+        self.run, self.image = None, wandb.Image  # Image: for log_images
         mode = wandb_mode(mode, default_base_url=wandb.Settings().base_url)
-        try:
+        names = {"project": project, "entity": entity, "name": name, "group": group, "id": run_id}
+        with self._warned("wandb did not start (%s); logging to metrics.jsonl only."):
             self.run = wandb.init(
-                project=project,
-                entity=entity,
-                name=name,
-                group=group,
+                **names,
                 tags=list(tags),
                 config=resolved_config,
                 dir=run_dir,
                 mode=mode,
-                id=run_id,
                 resume="allow" if run_id else None,
                 settings=wandb.Settings(init_timeout=init_timeout),
             )
-        except Exception as err:  # noqa: BLE001 - wandb must never stop training
-            log.warning("wandb did not start (%s); logging to metrics.jsonl only.", err)
 
-    @property
-    def run_id(self) -> str | None:
-        return None if self.run is None else self.run.id
+    @contextmanager
+    def _warned(self, failed: str, finish: bool = False) -> Iterator[None]:
+        """A failure inside: the warning `failed` (then `finish`); wandb never stops training."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001
+            logging.getLogger(__name__).warning(failed, err)
+            if finish:
+                self.finish(exit_code=1)
+
+    run_id = property(lambda self: None if self.run is None else self.run.id)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        if self.run is None:
-            return
-        step = metrics.get("step")
-        try:
-            self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-        except Exception as err:  # noqa: BLE001
-            log.warning("wandb.log failed (%s); logging to metrics.jsonl only from now on.", err)
-            self.finish(exit_code=1)
+        if self.run is not None:
+            data = dict(metrics)
+            step = data.pop("step", None)
+            with self._warned("wandb.log failed (%s); now metrics.jsonl alone.", finish=True):
+                self.run.log(data, step=step)
 
     def log_images(self, paths: list[Path]) -> None:
-        if self.run is None:
-            return
-        import wandb
-
-        try:
-            self.run.log({path.stem: wandb.Image(str(path)) for path in paths})
-        except Exception as err:  # noqa: BLE001
-            log.warning("wandb could not log the pictures (%s).", err)
+        if self.run is not None:
+            with self._warned("wandb could not log the pictures (%s)."):
+                self.run.log({path.stem: self.image(str(path)) for path in paths})
 
     def summary(self, values: dict[str, Any]) -> None:
-        if self.run is None:
-            return
-        try:
-            self.run.summary.update(values)
-        except Exception as err:  # noqa: BLE001
-            log.warning("wandb could not update the run's summary (%s).", err)
+        if self.run is not None:
+            with self._warned("wandb could not update the run's summary (%s)."):
+                self.run.summary.update(values)
 
     def finish(self, exit_code: int = 0) -> None:
         run, self.run = self.run, None
-        if run is None:
-            return
-        try:
-            run.finish(exit_code=exit_code)
-        except Exception as err:  # noqa: BLE001
-            log.warning("wandb.finish failed: %s", err)
+        if run is not None:
+            with self._warned("wandb.finish failed: %s"):
+                run.finish(exit_code=exit_code)
 
 
 def wandb_mode(mode: str | None, default_base_url: str) -> str:
-    """`logger.mode` if set, else WANDB_MODE, else online with an API key and offline without (which
-    keeps wandb from prompting for one)."""
+    """`logger.mode`, else WANDB_MODE, else online with an API key, offline (no prompt) without."""
     if mode or os.environ.get("WANDB_MODE"):
         return mode or os.environ["WANDB_MODE"]
-    return "online" if _has_api_key(default_base_url) else "offline"
-
-
-def _has_api_key(default_base_url: str) -> bool:
-    """An API key in WANDB_API_KEY or in the netrc file, where `wandb login` saves it."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
     host = urlsplit(os.environ.get("WANDB_BASE_URL") or default_base_url).hostname
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
+    path, key = os.environ.get("NETRC") or os.path.expanduser("~/.netrc"), None
+    with suppress(OSError, netrc.NetrcParseError):  # no netrc file, or one it cannot read
+        key = os.environ.get("WANDB_API_KEY") or netrc.netrc(path).authenticators(host)
+    return "online" if key else "offline"
 
 
 def open_logger(
-    run_dir: Path,
-    process: Process,
-    resumed: tuple[Path, dict[str, Any]] | None = None,
-    tracker: Callable[[str | None], Any] | None = None,
+    run_dir: Path, process: Process, resumed: tuple | None = None, tracker: Callable | None = None
 ) -> AbstractContextManager[MetricsLogger | None]:
-    """The main process's logger (None on other ranks), with the tracker `tracker(run_id)` builds.
-    A context manager: the tracker is finished on every exit. A run `resumed` from (checkpoint
-    path, checkpoint) continues its metrics and its wandb run."""
+    """The main process's logger (else None), continuing a `resumed` (path, checkpoint) run."""
     if not process.is_main:
         return nullcontext()
-    history, run_id = [], None
-    if resumed:
-        path, state = resumed
-        history = metrics_until(path.parent.parent / "metrics.jsonl", state["progress"]["step"])
-        run_id = state.get("wandb_id")
-    return MetricsLogger(run_dir, tracker and tracker(run_id), history)
+    if not resumed:
+        return MetricsLogger(run_dir, tracker and tracker(None))
+    path, state = resumed
+    history = metrics_until(path.parent.parent / "metrics.jsonl", state["progress"]["step"])
+    return MetricsLogger(run_dir, tracker and tracker(state.get("wandb_id")), history)
 
 
 def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` (if any) up to optimizer step `step`: a resumed run logs
-    again what came after, and the test, which every launch evaluates once at its end."""
+    """Records of a `metrics.jsonl` to step `step`, not the test (each launch tests at its end)."""
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         with suppress(json.JSONDecodeError):  # the last line of a run killed while writing it
@@ -208,11 +172,9 @@ def metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
 
 def logged(record: dict[str, Any], split: str) -> dict[str, Any]:
     """What a record holds of `split` (train, val or test), by name: its `test/acc` as `acc`."""
-    prefix = f"{split}/"
-    return {key.removeprefix(prefix): v for key, v in record.items() if key.startswith(prefix)}
+    return {k.removeprefix(f"{split}/"): v for k, v in record.items() if k.startswith(f"{split}/")}
 
 
 def measured(record: dict[str, Any], split: str) -> dict[str, float]:
-    """The metrics of `split` in `record`, without its integers: a count (`correct`) and the
-    tested weights' epoch are whole numbers, a metric (`loss`, `acc`, `mae`) is a float."""
+    """The metrics (floats) of `split` in `record`, not its counts nor the tested weights' epoch."""
     return {name: v for name, v in logged(record, split).items() if isinstance(v, float)}

@@ -20,7 +20,6 @@ from src.engine.build import (
     build_model,
     build_parts,
     build_run,
-    checkpointer,
     logged,
     read_settings,
 )
@@ -55,8 +54,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
                 run = build_run(cfg, settings, process, logger, run_dir)
                 model = build_model(cfg, run, weights)
                 if settings.train:
-                    parts, progress, saved = build_parts(cfg, run, model, resumed and resumed[1])
-                    run.checkpointer = checkpointer(run, saved, resumed)
+                    parts, progress, run.checkpointer = build_parts(cfg, run, model, resumed)
                     fitted = fit(run, parts, progress)
                     result = fitted.best and fitted.best.value
                     when = during_the_test(fitted.step, run.checkpointer)  # for a signal now

@@ -10,36 +10,27 @@ import logging
 import os
 import shutil
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, NamedTuple
+from typing import IO, Any, NamedTuple
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from src.engine.errors import UserError
+from src.engine.parallel import Process
 
-if TYPE_CHECKING:
-    from src.engine.parallel import Process
-
-# What each refusal means, and what to do about it before resuming.
-FULL = {
+FULL = {  # what each refusal means, and what to do about it before resuming
     errno.ENOSPC: ("the disk is full", "Free space on that disk"),
     errno.EDQUOT: ("the disk quota is used up", "Free space within your quota (or ask for more)"),
     errno.EFBIG: ("the file-size limit is reached", "Raise the limit (ulimit -f unlimited)"),
 }
-READ_ONLY = {
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission is denied",
-    errno.EPERM: "permission is denied",
-}
+DENIED = "permission is denied"
+READ_ONLY = {errno.EROFS: "the file system is read-only", errno.EACCES: DENIED, errno.EPERM: DENIED}
 GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
 LOCK = "run.lock"  # in the run folder while a run holds it: its process id and host
-
-log = logging.getLogger(__name__)
 
 
 class Fault(NamedTuple):
@@ -62,9 +53,8 @@ class StorageFull(UserError):
 
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write `path` with `write(file)` into a partial file beside it, flushed, renamed over `path`
-    (else left as it was). A folder moved meanwhile, held open, gets it whole or not at all."""
-    # Its own partial file per process: two machines may write one file of a shared folder.
+    """Write `path` by `write(file)` into this process's partial file beside it (machines may share
+    a folder), flushed, then renamed over it: a moved folder, held open, gets all of it or none."""
     partial, folder = f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial", None
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -75,9 +65,6 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.replace(partial, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         os.fsync(folder)  # the rename, on the disk: a crash now leaves the new file, not none
     except BaseException as err:
-        if folder is not None:
-            with suppress(OSError):
-                os.unlink(partial, dir_fd=folder)
         # torch.save's writer raises a RuntimeError of its own closing a file whose write failed
         refused = err.__context__ if isinstance(err, RuntimeError) else err
         if not isinstance(refused, OSError):
@@ -86,6 +73,8 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise refused from None
     finally:
         if folder is not None:
+            with suppress(OSError):  # a failed write's partial file (renamed, if it succeeded)
+                os.unlink(partial, dir_fd=folder)
             os.close(folder)
 
 
@@ -95,7 +84,7 @@ def copy_atomically(source: Path, target: Path) -> None:
         write_atomically(target, lambda out: shutil.copyfileobj(file, out))
 
 
-def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | None:
+def attempt(write: Callable[[], Any], path: Path | None = None) -> Fault | None:
     """Run `write`; what the storage refused of it (of `path`, else the file named), or None. Any
     OSError counts (an NFS EIO too): the main process must not fail alone while the others wait."""
     try:
@@ -105,9 +94,7 @@ def attempt(write: Callable[[], object], path: Path | None = None) -> Fault | No
     return None
 
 
-def on_main(
-    process: Process, write: Callable[[], object], path: Path | None = None
-) -> Fault | None:
+def on_main(process: Process, write: Callable[[], Any], path: Path | None = None) -> Fault | None:
     """`write` on the main process; what the storage refused of it, on every rank (a barrier)."""
     return agree(process, attempt(write, path) if process.is_main else None)
 
@@ -117,62 +104,51 @@ def agree(process: Process, fault: Fault | None) -> Fault | None:
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
-def stopped(
-    fault: Fault, run_dir: Path, step: int | None, kept: tuple[Path, int] | None
-) -> StorageFull:
-    """The message a refused write stops the run with: what failed, what is `kept` (the last
-    checkpoint and its step), and the command that resumes once the cause is gone."""
+def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -> StorageFull:
+    """The stop message: what failed, what is `kept` (last checkpoint, step), how to resume."""
     at = "" if step is None else f" at step {step}"
-    resume = f"run the same command with hydra.run.dir={run_dir}"
     path = Path(fault.path)
+    last = kept and (kept[0].relative_to(run_dir) if kept[0].is_relative_to(run_dir) else kept[0])
     if not fault.folder_exists and run_dir in (path.parent, path.parent.parent):
-        from_ = f" from its {_within(kept[0], run_dir)} (step {kept[1]})" if kept else ""
+        from_ = f" from its {last} (step {kept[1]})" if kept else ""
         return StorageFull(
             f"Stopped{at}: the run folder {run_dir} was deleted or moved during the run, so "
-            f"{_within(path, run_dir)} could not be written. If it was moved, run the same "
+            f"{path.relative_to(run_dir)} could not be written. If it was moved, run the same "
             f"command with hydra.run.dir=<its new place> to resume{from_}; if it was deleted, "
             "start again."
         )
-    resume += " to resume" if kept else " to start again"
-    intact = "no checkpoint was written before it"
-    if kept:
-        intact = f"{_within(kept[0], run_dir)} from step {kept[1]} is intact"
+    intact = f"{last} from step {kept[1]} is intact" if kept else None
     if fault.errno in FULL:
         reason, fix = FULL[fault.errno]
-        fix = f"{fix}, then {resume}"
     elif fault.errno in READ_ONLY:
-        reason = READ_ONLY[fault.errno]
-        fix = f"Make {path.parent} writable, then {resume}"
-        if kept:
-            fix += f"; or continue elsewhere: resume={kept[0]} hydra.run.dir=<a writable folder>"
+        reason, fix = READ_ONLY[fault.errno], f"Make {path.parent} writable"
     elif fault.errno in GONE:
         reason = "it was deleted during the run" if fault.folder_exists else "its folder is gone"
-        fix = f"Make sure nothing else deletes files in {run_dir}, then {resume}"
+        fix = f"Make sure nothing else deletes files in {run_dir}"
     else:
-        reason = "the storage reported an error"
-        fix = f"Check the disk of {path.parent}, then {resume}"
+        reason, fix = "the storage reported an error", f"Check the disk of {path.parent}"
+    fix += f", then run the same command with hydra.run.dir={run_dir} to "
+    fix += "resume" if kept else "start again"
+    if kept and fault.errno in READ_ONLY:
+        fix += f"; or continue elsewhere: resume={kept[0]} hydra.run.dir=<a writable folder>"
     return StorageFull(
         f"Stopped{at}: {fault.path} could not be written: {reason} ({fault.strerror}). "
-        f"Nothing partial is left, and {intact}. {fix}."
+        f"Nothing partial is left, and {intact or 'no checkpoint was written before it'}. {fix}."
     )
-
-
-def _within(path: Path, folder: Path) -> str:
-    """`path` relative to `folder` if it lies inside it (checkpoints/last.pt), else whole."""
-    return str(path.relative_to(folder) if path.is_relative_to(folder) else path)
 
 
 @contextmanager
 def held(run_dir: Path, process: Process) -> Iterator[None]:
-    """Hold the run folder: rank 0 writes `run.lock`, removed however the run ends. A living run's
-    lock refuses the folder on every rank, naming the holder; a dead run's (SIGKILL, a lost
-    machine) or an earlier torchrun attempt's is taken over."""
-    refusal = None
+    """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
+    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken."""
+    lock, refusal = run_dir / LOCK, None
+    job = os.environ.get("TORCHELASTIC_RUN_ID")  # the same through torchrun's restarts
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
     if process.is_main:
         try:
-            refusal = _take(run_dir / LOCK)
+            refusal = _take(lock, me)
         except OSError as err:
-            refusal = str(stopped(Fault.of(err, run_dir / LOCK), run_dir, None, None))
+            refusal = str(stopped(Fault.of(err, lock), run_dir, None, None))
     if refusal := process.broadcast_object(refusal):
         raise UserError(refusal)
     try:
@@ -180,66 +156,48 @@ def held(run_dir: Path, process: Process) -> Iterator[None]:
     finally:
         if process.is_main:
             with suppress(OSError):
-                if json.loads((run_dir / LOCK).read_text()) == _holder():
-                    (run_dir / LOCK).unlink()
+                if json.loads(lock.read_text()) == me:
+                    lock.unlink()
 
 
-def _holder() -> dict[str, object]:
-    """Who holds a run folder: this process, its machine, its torchrun job (restarts keep it)."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    return {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
-
-
-def _take(path: Path) -> str | None:
-    """Create the lock `path`; None if taken, else the sentence refusing the folder."""
-    me = _holder()
+def _take(path: Path, me: dict) -> str | None:
+    """Create the lock `path` as `me`; None if taken, else the sentence refusing the folder."""
     for _ in range(3):  # a stale lock removed, then created again (another run may win the race)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(path, "x", opener=lambda p, f: os.open(p, f, 0o644)) as file:
+                json.dump(me, file)
+            return None
         except FileExistsError:
             try:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):  # removed meanwhile, or being written: look again
                 continue
-            who = f"process {holder.get('pid')} on {holder.get('host')}"
-            if _alive(holder, me):
-                return (
-                    f"{path.parent} is in use by another run ({who}): give this run a folder of "
-                    "its own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
-                    f"running, delete {path}."
-                )
-            log.warning(
-                f"{path} was left by a run that ended without removing it ({who}): this run "
-                "takes the folder over"
+        # Alive unless an earlier attempt of this torchrun job, or a process gone from this machine.
+        alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
+        if alive and holder.get("host") == me["host"]:
+            try:
+                os.kill(int(holder["pid"]), 0)
+            except ProcessLookupError:
+                alive = False
+            except (PermissionError, KeyError, TypeError, ValueError):
+                pass  # another user's process, or a lock this code did not write
+        who = f"process {holder.get('pid')} on {holder.get('host')}"
+        if alive:
+            return (
+                f"{path.parent} is in use by another run ({who}): give this run a folder of its "
+                "own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
+                f"running, delete {path}."
             )
-            with suppress(FileNotFoundError):
-                path.unlink()
-            continue
-        with os.fdopen(fd, "w") as file:
-            json.dump(me, file)
-        return None
+        logging.getLogger(__name__).warning(
+            f"{path} was left by a run that ended without removing it ({who}): this run takes the "
+            "folder over"
+        )
+        path.unlink(missing_ok=True)
     return f"{path} keeps being taken by other runs: give this run a folder of its own."
 
 
-def _alive(holder: dict, me: dict) -> bool:
-    """Whether a lock's run may still run: a living process here, or any on another machine (not
-    visible here), unless an earlier attempt of this torchrun job (restarted once it stopped)."""
-    if me["torchrun_job"] and holder.get("torchrun_job") == me["torchrun_job"]:
-        return False
-    if holder.get("host") != me["host"]:
-        return True
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, KeyError, TypeError, ValueError):
-        pass  # another user's process, or a lock this code did not write
-    return True
-
-
 def check_run_folder(folder: Path) -> None:
-    """The run folder can be made and written, else one sentence naming why (a path through a file,
-    a read-only file system, no permission), not Hydra's tracebacks a moment later."""
+    """The run folder can be made and written, else one sentence why (not Hydra's tracebacks)."""
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise UserError(
@@ -268,5 +226,4 @@ class RunFolderCheck(Callback):
         except OmegaConfBaseException:
             return
         except UserError as err:
-            print(err, file=sys.stderr)
-            raise SystemExit(1) from None
+            raise SystemExit(str(err)) from None  # printed, exit status 1

@@ -1,21 +1,8 @@
 """The run's context (`Run`: what every function of a run shares and does not change), and the
-named points where the guards and the tools plug into the loop, with the one all-reduce they
-share.
-
-The loop calls its hooks, in order, at these points and nowhere else:
-
-- `active(run, parts, progress)`: a context around the whole of training (signal handlers, the
-  profiler; the warm-up runs as it is entered).
-- `epoch_started` and `epoch_ended(run, progress)`: just before and just after an epoch's
-  training steps (its validation comes after).
-- `after_step(run, progress, loss)`: after each optimizer step, the loss still on the device.
-- `votes(run, progress, weights)` and `agreed(run, progress, sums, weights)`: at a check, which
-  comes at every logging step, before an evaluation and before a save (then with the `weights`).
-  Each hook gives this rank's values for the check's one all-reduce and reads back their sums
-  over the ranks; a hook that raises stops every rank at once, as they all raise alike.
-- `wants_stop(run)` and `stop(run, progress)`: a hook that asks training to stop after this step
-  (a signal); the loop saves `last.pt`, then the hook ends the run.
-"""
+named points where the guards and the tools plug into the loop: `active` (a context around the
+whole of training), `epoch_started` and `epoch_ended`, `after_step` (the loss still on the
+device), `votes` and `agreed` (a check: every hook's values in one all-reduce, so a hook that
+raises stops every rank at once), `wants_stop` and `stop` (docs/layout.md has each one's when)."""
 
 from __future__ import annotations
 

@@ -67,20 +67,24 @@ class Progress:
     metrics: dict[str, Any] = field(default_factory=dict)  # the last validation's
     best: Best | None = None  # the best validation so far; None without a validation split
     batch_size: int = 1  # the global batch epoch_step counts (data.batch_size)
-    train_size: int = 0  # the images of an epoch: the data's, not saved
+    # Not saved: the images of an epoch (the data's).
+    train_size: int = field(default=0, metadata={"saved": False})
 
     def state_dict(self) -> dict[str, Any]:
-        best = self.best and dataclasses.asdict(self.best)
-        keys = ("epoch", "epoch_step", "step", "metrics", "batch_size")
-        return {**{key: getattr(self, key) for key in keys}, "best": best}
+        """Every field (a field added is saved and loaded too), `best` as a plain dict."""
+        saved = [f.name for f in dataclasses.fields(self) if f.metadata.get("saved", True)]
+        state = {name: getattr(self, name) for name in saved}
+        return state | {"best": self.best and dataclasses.asdict(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the checkpoint stood: at the same image of its epoch under another
         batch size that divides the images done, and in the next epoch if it was saved at the end
         of one."""
-        self.epoch, self.step, self.metrics = state["epoch"], state["step"], state["metrics"]
-        saved = state.get("batch_size") or self.batch_size
-        self.epoch_step = self.rebatched(state["epoch_step"], saved)
+        saved, batches = state.get("batch_size") or self.batch_size, state["epoch_step"]
+        for name, value in state.items():  # the batch size and the best: this run's, below
+            if name not in ("batch_size", "best") and hasattr(self, name):
+                setattr(self, name, value)
+        self.epoch_step = self.rebatched(batches, saved)
         if self.best:
             self.best = Best.resume(self.best.monitor, self.best.mode, state.get("best"))
         if self.epoch_step >= math.ceil(self.train_size / self.batch_size):  # an epoch's end

@@ -36,6 +36,8 @@ import torch
 
 from src.engine.errors import UserError, first_line
 
+CONTRACT = ("count", "loss", "sums", "metrics")  # what every task has (below); build_task checks
+
 
 class Task(Protocol):
     """The contract above, as a type: what the engine calls on `settings.task`."""

@@ -1,11 +1,8 @@
-"""The checks that stop every rank at once, before anything bad is validated or saved: a loss or
-a weight that is NaN or infinite, and metrics.jsonl refused by the storage. The losses stay on the
-device until a check (each logging step, evaluation or save), where one all-reduce tells every rank
-whether any saw a bad one."""
+"""The checks that stop every rank at once, before anything bad is validated or saved: a NaN or
+infinite loss or weight, and metrics.jsonl refused by the storage. The losses stay on the device
+until a check (each logging step, evaluation or save), where one all-reduce tells every rank."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
 
 import torch
 from hydra.errors import CompactHydraException
@@ -21,8 +18,7 @@ class NonFiniteLoss(CompactHydraException):
 
 
 class NonFinite(Hook):
-    """Stop every rank when a training loss, or a weight before an evaluation or save, is NaN or
-    infinite."""
+    """Stop every rank at a NaN or infinite loss, or weight before an evaluation or save."""
 
     def __init__(self) -> None:
         self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
@@ -36,19 +32,28 @@ class NonFinite(Hook):
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         self.first_bad = steps[bad[0].item()] if len(bad) else None
         self.losses = []
-        state = run.strategy.unwrap(weights).state_dict() if weights is not None else {}
-        return [self.first_bad is not None, not finite(state.values(), run.strategy.local)]
+        tensors = run.strategy.unwrap(weights).state_dict().values() if weights is not None else []
+        checks = [run.strategy.local(t).isfinite().all() for t in tensors if t.is_floating_point()]
+        return [self.first_bad is not None, bool(checks) and not torch.stack(checks).all().item()]
 
     def agreed(
         self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
     ) -> None:
-        bad_losses, bad_weights = sums
-        if bad_losses:
-            found = run.process.all_gather_object(self.first_bad)
-            first = min(s for s in found if s is not None)
-            raise non_finite(f"the training loss was not finite at step {first}", run)
-        if bad_weights:
-            raise non_finite(f"the weights were not finite after step {progress.step}", run)
+        if not any(sums):  # no rank saw a bad loss (sums[0]) or bad weights (sums[1])
+            return
+        what = f"the weights were not finite after step {progress.step}"
+        if sums[0]:
+            first = min(s for s in run.process.all_gather_object(self.first_bad) if s is not None)
+            what = f"the training loss was not finite at step {first}"
+        tries = ["a lower optimizer.lr", "a lower gradient_clip_val"]
+        if run.trainer.gradient_clip_val is None:
+            tries[1] = "trainer.gradient_clip_val=1.0"
+        if run.trainer.precision != "32":
+            tries.append("trainer.precision=32")
+        raise NonFiniteLoss(
+            f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(run)}). "
+            f"Try {', '.join(tries[:-1])} or {tries[-1]}."
+        )
 
 
 class UnwrittenMetrics(Hook):
@@ -65,29 +70,10 @@ class UnwrittenMetrics(Hook):
             raise run.checkpointer.stopped(fault, progress.step)
 
 
-def finite(tensors: Iterable[torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether every floating-point tensor's `local` part is free of NaN and infinity (one sync)."""
-    checks = [local(t).isfinite().all() for t in tensors if t.is_floating_point()]
-    return not checks or bool(torch.stack(checks).all())
-
-
 def intact(run: Run) -> str:
     """What is saved from before a stop: the checkpoint written last, if any."""
     kept = run.checkpointer.kept
     return f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
-
-
-def non_finite(what: str, run: Run) -> NonFiniteLoss:
-    """The one sentence a NaN or an infinity stops the run with."""
-    clip = run.trainer.gradient_clip_val
-    tries = ["a lower optimizer.lr"]
-    tries.append("trainer.gradient_clip_val=1.0" if clip is None else "a lower gradient_clip_val")
-    if run.trainer.precision != "32":
-        tries.append("trainer.precision=32")
-    return NonFiniteLoss(
-        f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(run)}). "
-        f"Try {', '.join(tries[:-1])} or {tries[-1]}."
-    )
 
 
 def check_count(run: Run) -> None:

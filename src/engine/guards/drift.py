@@ -1,10 +1,6 @@
-"""The drift guard: DDP's ranks train one model, checked rather than assumed.
-
-DDP keeps its copies equal by construction only: a model built differently on one rank, other
-checkpoint or data files on one machine, or a weight changed outside the optimizer step make each
-rank train a model of its own, unnoticed. Hence `check_start`, `check_first_batch` and
-`DriftGuard`, one collective each, comparing tensors by a `fingerprint`.
-"""
+"""The drift guard: DDP's ranks train one model, checked (one collective each) rather than assumed.
+A model built differently on one rank, other checkpoint or data files on one machine, or a weight
+changed outside the optimizer step would make each rank train its own model, unnoticed."""
 
 from __future__ import annotations
 
@@ -33,43 +29,35 @@ class Drifted(CompactHydraException):
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's bits summed as int64 where it lives: exact on any device, and changed by a
-    change in any element (short of one that cancels it, or a swap within a tensor)."""
+    """Each tensor's bits summed as int64 where it lives: exact anywhere, changed by any change."""
     real = (torch.view_as_real(t) if t.is_complex() else t for t in tensors)
     return [t.detach().view(BITS[t.element_size()]).sum(dtype=torch.int64) for t in real]
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A hash of a tensor's dtype, shape and elements in their order, to gather in place of a
-    batch's targets: unlike `fingerprint`, it tells the same targets in another order apart."""
+    """A hash of dtype, shape and elements: unlike `fingerprint`, it tells another order apart."""
     bits = tensor.detach().cpu().contiguous()
     bits = torch.view_as_real(bits) if bits.is_complex() else bits
-    hashed = hashlib.sha256(f"{bits.dtype} {list(bits.shape)}".encode())
-    hashed.update(bits.view(BITS[bits.element_size()]).numpy().tobytes())
-    return hashed.hexdigest()
+    head = f"{bits.dtype} {list(bits.shape)}".encode()
+    return hashlib.sha256(head + bits.view(BITS[bits.element_size()]).numpy().tobytes()).hexdigest()
 
 
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """The names in `named` (alike on every rank) whose tensors differ from rank 0's: the first rank
-    where each does."""
+    """Each name in `named` whose tensor differs from rank 0's somewhere: the first rank it does."""
     if not process.in_group or not named:
         return {}
-    mine = torch.stack(fingerprint(tensor for _, tensor in named))
-    ranks = torch.stack(process.all_gather(mine))  # ranks × tensors
-    differs = (ranks != ranks[0]).cpu()
-    return {
-        named[i][0]: int(differs[:, i].nonzero()[0])
-        for i in differs.any(dim=0).nonzero().flatten().tolist()
-    }
+    ranks = torch.stack(process.all_gather(torch.stack(fingerprint(t for _, t in named))))
+    first = (ranks != ranks[0]).int().argmax(dim=0).tolist()  # per tensor; 0: the same everywhere
+    return {name: rank for (name, _), rank in zip(named, first, strict=True) if rank}
 
 
 def check_start(model: nn.Module, process: Process) -> None:
     """Every rank's state dict is rank 0's, before DDP copies rank 0's over it (hiding drift)."""
     if not process.in_group:
         return
-    named = list(model.state_dict().items())
-    shapes = [f"{name} {list(tensor.shape)}" for name, tensor in named]
-    sums = torch.stack(fingerprint(t for _, t in named)).tolist() if named else []
+    state = model.state_dict()
+    shapes = [f"{name} {list(tensor.shape)}" for name, tensor in state.items()]
+    sums = torch.stack(fingerprint(state.values())).tolist() if state else []
     (first_shapes, first_sums), *others = process.all_gather_object((shapes, sums))
     for rank, (their_shapes, their_sums) in enumerate(others, start=1):
         if their_shapes != first_shapes:
@@ -77,40 +65,35 @@ def check_start(model: nn.Module, process: Process) -> None:
             ours, theirs = next((a, b) for a, b in pairs if a != b)
             raise UserError(
                 f"DDP rank {rank} built another model than rank 0 (it has {theirs} where rank 0 "
-                f"has {ours}). Build the same model on every rank: nothing in it may depend on "
-                "the rank or the machine."
+                f"has {ours}): nothing in the model may depend on the rank or the machine."
             )
         if their_sums != first_sums:
-            pairs = zip(named, first_sums, their_sums, strict=True)
-            name = next(n for (n, _), a, b in pairs if a != b)
+            name = next(n for n, a, b in zip(state, first_sums, their_sums, strict=True) if a != b)
             raise UserError(
                 f"DDP rank {rank} starts from other weights than rank 0 ({name} differs). DDP "
                 "would copy rank 0's over them and hide whatever made them differ: a seed that "
                 "depends on the rank, or a checkpoint (init_from, resume) that differs between "
-                "machines. Build the model alike on every rank (src/engine/run.py seeds cfg.seed "
-                "before building it), from the same checkpoint file."
+                "machines. Build the model alike on every rank, from the same checkpoint file."
             )
 
 
 def check_first_batch(data: Data, process: Process) -> None:
-    """The ranks' shares of epoch 1's first global batch are disjoint, make it up, and read the same
-    targets (every rank decides on the same gathered values)."""
+    """Epoch 1's first batch: the ranks' shares are disjoint, make it up, read the same targets."""
     if not process.in_group:
         return
     sampler = copy.copy(data.sampler)
     sampler.set_epoch(1)
-    batch = sampler.permutation()[: data.batch_size]
-    share = next(sampler.index_batches())
+    batch, share = sampler.permutation()[: data.batch_size], next(sampler.index_batches())
     labels = labels_of(data.train)  # None for a dataset that reads them sample by sample only
     read = None if labels is None else digest(labels[batch.to(labels.device)])
     everyone = process.all_gather_object((data.size("train"), share.tolist(), read))
-    sizes = [size for size, _, _ in everyone]
+    sizes, shares, reads = zip(*everyone, strict=True)
     if len(set(sizes)) > 1:
         raise UserError(
-            f"The DDP ranks hold different training splits ({sizes} images, in rank order): "
+            f"The DDP ranks hold different training splits ({list(sizes)} images, in rank order): "
             "every machine needs the same data files in data.root."
         )
-    taken = [index for _, indices, _ in everyone for index in indices]
+    taken = [index for indices in shares for index in indices]
     if sorted(taken) != sorted(batch.tolist()):
         twice = sorted({i for i in taken if taken.count(i) > 1})
         missing = sorted(set(batch.tolist()) - set(taken))
@@ -119,18 +102,15 @@ def check_first_batch(data: Data, process: Process) -> None:
             f"two shares) or leave images out ({missing[:5]}): each rank must take its own part "
             "of every batch. Check changes to GlobalBatchSampler in src/engine/data.py."
         )
-    for rank, (_, _, their_labels) in enumerate(everyone[1:], start=1):
-        if their_labels != everyone[0][2]:
-            raise UserError(
-                f"DDP rank {rank} reads other labels for the first batch than rank 0 does: the "
-                "machines have different data files. Give every machine the same data in "
-                "data.root."
-            )
+    if rank := next((r for r, theirs in enumerate(reads) if theirs != reads[0]), 0):
+        raise UserError(
+            f"DDP rank {rank} reads other labels for the first batch than rank 0 does: give every "
+            "machine the same data files in data.root."
+        )
 
 
 class DriftGuard(Hook):
-    """`parallel.check_sync_every_n_steps` under DDP: stop every rank when a parameter differs from
-    rank 0's, checked before each evaluation or save ("eval"), and also every N steps (N)."""
+    """Stop every rank when a parameter differs from rank 0's: at each check, and every N steps."""
 
     def __init__(self, every: int | str) -> None:
         self.every = every

@@ -1,14 +1,13 @@
-"""SIGTERM and Ctrl-C (pre-emption, torchrun shutting down): during training they ask it to stop
-at a step, which saves `last.pt` and prints the command that resumes; outside training they
-interrupt, and the run says where it stopped and what is kept."""
+"""SIGTERM and Ctrl-C (pre-emption, torchrun): during training they ask it to stop at a step, saving
+`last.pt` and printing the command that resumes; outside it they interrupt, telling what is kept."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NoReturn
 
 from torch import nn
@@ -23,21 +22,14 @@ from src.engine.parallel import Process
 class StopSignals(Hook):
     """SIGTERM and SIGINT ask training to stop: one process after a step, DDP at the next check."""
 
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.agreed_to_stop = False
+    received: int | None = None  # the signal this process got
+    agreed_to_stop = False  # the ranks agreed at a check
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.received = signum
 
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
+        return handling(self._handle, signal.SIGTERM, signal.SIGINT)
 
     def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
         return [bool(self.received)]
@@ -51,36 +43,35 @@ class StopSignals(Hook):
         return self.agreed_to_stop or (run.process.world_size == 1 and bool(self.received))
 
     def stop(self, run: Run, progress: Progress) -> NoReturn:
-        """End the run with the command that resumes it."""
-        saver, step = run.checkpointer, progress.step
-        if not run.process.is_main:
-            sys.exit(1)  # quietly: rank 0 tells the user
+        """End the run with the command that resumes it (rank 0 tells it)."""
+        saver, when = run.checkpointer, f"after step {progress.step}"
         if not saver.policy.save:
-            raise Stopped(f"Stopped by a signal after step {step} (checkpoint.save=false).")
-        raise Stopped(
-            f"Stopped by a signal after step {step}; {saver.last} is saved. "
-            f"Run the same command with hydra.run.dir={saver.run_dir} to resume."
-        )
+            raise interrupted(run.process, f"{when} (checkpoint.save=false)")
+        resume = f"Run the same command with hydra.run.dir={saver.run_dir} to resume"
+        raise interrupted(run.process, f"{when}; {saver.last} is saved. {resume}")
 
 
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """Outside training, SIGTERM interrupts as Ctrl-C does, so the run can say where it stopped
-    (`interrupted`). Python handles signals in the main thread only: elsewhere, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+@contextmanager
+def handling(handler: Callable[[int, Any], None], *signums: int) -> Iterator[None]:
+    previous = {s: signal.signal(s, handler) for s in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
+def signals_interrupt() -> AbstractContextManager:
+    """Outside training, SIGTERM interrupts as Ctrl-C does (Python's main thread only gets them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return nullcontext()
+    return handling(signal.default_int_handler, signal.SIGTERM)
 
 
 def interrupted(process: Process, when: str) -> Stopped:
-    """The sentence for a signal outside training (`when`: where the run was, and what is kept)."""
+    """The sentence for a signal (`when`: where the run was, and what is kept); quiet off rank 0."""
     if not process.is_main:
-        sys.exit(1)  # quietly, as at a stop during training
+        sys.exit(1)  # quietly: rank 0 tells the user
     return Stopped(f"Stopped by a signal {when}.")
 
 

@@ -1,6 +1,5 @@
-"""Starting DDP workers through PyTorch's launcher API (`elastic_launch`, what torchrun runs), and
-reporting a worker's failure once, in torchrun's error file, whoever started it. At the end, the
-plumbing between torchrun and Hydra: each workaround names its upstream issue and when it can go."""
+"""Starting DDP workers (`elastic_launch`, what torchrun runs), each failure reported once in
+torchrun's error file; then the torchrun/Hydra plumbing, each workaround with its upstream issue."""
 
 from __future__ import annotations
 
@@ -35,6 +34,8 @@ log = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
+# Quietened while workers run (each has its level): failures are told once below, signals by them.
+LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _legacy_launcher = False
 
 
@@ -48,15 +49,12 @@ def starts_workers_here(in_group: bool) -> bool:
 
 
 def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, nproc: int) -> Any:
-    """Run `train(cfg, run_dir)` in `nproc` processes on this machine, in this job's run folder, and
-    return rank 0's result. The workers import `train` by module and name: submitit may have
-    pickled it by value, and then nothing it carries says where its code lives."""
+    """`train(cfg, run_dir)` in `nproc` processes here, in this job's run folder: rank 0's result.
+    Workers import `train` by name: submitit may have pickled it by value, which says no module."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    hydra = HydraConfig.get()
-    # The workers' error files, in a folder removed after them (torch's default is left behind).
-    logs = Path(tempfile.mkdtemp(prefix="train-workers-"))
+    logs = Path(tempfile.mkdtemp(prefix="train-workers-"))  # error files (torch's default stays)
     config = LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
         min_nodes=1,
@@ -69,24 +67,18 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
         start_method="spawn",
     )
     log.info("Starting %d processes", nproc)
-    args = (
-        importable_name(train),
-        OmegaConf.to_container(cfg, resolve=True),
-        hydra.runtime.output_dir,
-        OmegaConf.to_container(hydra.job_logging, resolve=True),
-        max(1, (os.cpu_count() or 1) // nproc),
-    )
-    # Quieten the launcher (each module sets its own level), which logs each failure's traceback
-    # and each signal it passes on: the first failure is reported below, a signal by the workers.
-    levels = {
-        name: logging.getLogger(name).level
-        for name in list(logging.root.manager.loggerDict)
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
-    }
-    for name in levels:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(LAUNCHER_LOGGERS)]
+    levels = {logger: logger.level for logger in map(logging.getLogger, names)}
+    for logger in levels:
+        logger.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, _worker)(*args)
+        return elastic_launch(config, _worker)(
+            importable_name(train),
+            OmegaConf.to_container(cfg, resolve=True),
+            HydraConfig.get().runtime.output_dir,
+            OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True),
+            max(1, (os.cpu_count() or 1) // nproc),
+        )[0]
     except SignalException:  # SIGTERM or Ctrl-C: passed on to the workers, which stopped at a
         raise SystemExit(1) from None  # step, saved, and said so (rank 0's stop sentence)
     except ChildFailedError as err:
@@ -98,24 +90,19 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
             message = f"rank {rank}: {message}. The other processes were stopped."
         raise WorkerFailed(message) from None
     finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
+        for logger, level in levels.items():
+            logger.setLevel(level)
         shutil.rmtree(logs, ignore_errors=True)
-    return results[0]
 
 
-def _worker(
-    train: tuple[str, str], config: dict, run_dir: str, job_logging: dict, threads: int
-) -> Any:
-    """One self-launched DDP process, in torchrun's environment: runs the function `train` names
-    (module, function) on the config."""
+def _worker(train: tuple, config: dict, run_dir: str, job_logging: dict, threads: int) -> Any:
+    """One self-launched DDP process, in torchrun's environment: `train` (module, name) on it."""
     if os.environ["RANK"] == "0":
         logging.config.dictConfig(job_logging)
     else:
         logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     torch.set_num_threads(threads)  # the machine's cores shared between the processes
-    module, name = train
-    function = getattr(importlib.import_module(module), name)
+    function = getattr(importlib.import_module(train[0]), train[1])
     return run_worker(function, OmegaConf.create(config), Path(run_dir))
 
 
@@ -124,74 +111,56 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
     module, name = function.__module__, function.__qualname__
     if module == "__main__" or "<" in name:
         raise ValueError(
-            f"DDP processes import the training function by module and name, and {name} of "
-            f"{module} has none they could import. Define it at the top level of a module under "
-            "src/, as src/engine/run.py defines train."
+            f"DDP processes import the training function by module and name, and {module}.{name} "
+            "is not importable: define it at the top level of a module (as src/engine/run.py does)."
         )
     return module, name
 
 
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:
-    """`train(*args)` in a DDP worker: a failure exits with 1 and is written to torchrun's error
-    file (a user's mistake as its message, anything else with its traceback), for the launcher to
-    report once. A stop on a signal is also printed: torchrun, stopped too, reports nothing."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
+    """`train(*args)` in a DDP worker: a failure exits with 1, written to torchrun's error file (a
+    user's mistake as its message, else its traceback) for the launcher to report once."""
+
+    def fail(message: str) -> None:  # recorded, then exit with 1 as recorded (`exit_worker`)
+        Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        exit_worker(1)
+
+    if not (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
         return train(*args)
     try:
         return train(*args)
     except CompactHydraException as err:
-        if isinstance(err, Stopped):
+        if isinstance(err, Stopped):  # torchrun, stopped too, reports nothing
             print(err, file=sys.stderr)
         if getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
-            leave_it_to_local_rank_0(Path(error_file))
-        _fail(Path(error_file), str(err))
+            # Told by local rank 0 alone (torchrun quotes each failed rank): the others record being
+            # stopped, after rank 0's failure, the root cause; not stopped in 5 s, they tell it too.
+            stop = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
+            signal.signal(signal.SIGTERM, lambda *_: fail(stop))
+            time.sleep(5.0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        fail(str(err))
     except Exception:  # noqa: BLE001 - recorded with its traceback, for the launcher to show
         ErrorHandler().record_exception(sys.exc_info()[1])
-    # A crash, often a collective that lost a killed peer: through the teardown, which leaves
-    # the launcher time to find the peer's death first and report that, the cause.
+    # Via the teardown, giving the launcher time to report a killed peer, often the crash's cause.
     logging.shutdown()
     sys.exit(1)
 
 
-def leave_it_to_local_rank_0(error_file: Path, wait: float = 5.0) -> None:
-    """A mistake every rank finds alike is told by local rank 0 alone (torchrun quotes every failed
-    rank's error): the others wait `wait` seconds for the launcher to stop them and record only
-    that, after rank 0's failure, which stays the root cause. Else they tell it themselves."""
-    message = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
-    signal.signal(signal.SIGTERM, lambda *_: _fail(error_file, message))
-    time.sleep(wait)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _fail(error_file: Path, message: str) -> None:
-    """Record `message` as this worker's failure and exit with 1, as recorded (`exit_worker`)."""
-    error_file.write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-    exit_worker(1)
-
-
-# Launcher plumbing: what torchrun and Hydra need from each other.
-
-
 def hydra_argv(argv: list[str]) -> list[str]:
-    """The command line to hand Hydra, fixed up before it parses it. The legacy launcher's
-    `--local-rank=N` is taken out, or Hydra rejects it (facebookresearch/fairseq#4164); can go with
-    that launcher. Ranks other than 0 write no `.hydra/`, log or run folder (`${now:...}` makes one
-    per rank: facebookresearch/hydra#2070, ashleve/lightning-hydra-template#393) and use rank 0's
-    (`shared_run_dir`); can go when Hydra gives every process of a job one resolved run folder."""
+    """The command line for Hydra, without the legacy launcher's `--local-rank=N`, which it rejects
+    (facebookresearch/fairseq#4164; can go with that launcher). Ranks other than 0 write no run
+    folder, `.hydra/` or log and use rank 0's (`${now:...}` differs: facebookresearch/hydra#2070,
+    ashleve/lightning-hydra-template#393); can go when Hydra resolves one folder per job."""
     global _legacy_launcher
-    args = []
-    for arg in argv:
-        if match := LEGACY_LOCAL_RANK.fullmatch(arg):
-            _legacy_launcher = True
-            os.environ.setdefault("LOCAL_RANK", match.group(1))
-        else:
-            args.append(arg)
+    args = [arg for arg in argv if not LEGACY_LOCAL_RANK.fullmatch(arg)]
+    if legacy := [arg for arg in argv if arg not in args]:
+        _legacy_launcher = True
+        os.environ.setdefault("LOCAL_RANK", LEGACY_LOCAL_RANK.fullmatch(legacy[0]).group(1))
     if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.exit(
-            "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. "
-            "Run it without torchrun; each job starts its DDP processes itself: "
-            "python train.py -m parallel=ddp parallel.nproc_per_node=N ..."
+            "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. Run "
+            "it without torchrun (each job starts its DDP processes): python train.py -m ..."
         )
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
@@ -205,10 +174,8 @@ def restart_anchor() -> Path | None:
     """A file of this torchrun invocation that outlives its worker restarts, in each of which Hydra
     would make a new run folder (facebookresearch/hydra#2070); can go with that issue."""
     # {log dir}/{run id}_{suffix}/attempt_{N}/{local rank}/error.json: the anchor beside attempt_{N}
-    error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
-    if not error_file.parent.parent.name.startswith("attempt_"):
-        return None
-    return error_file.parents[2] / "run_dir"
+    attempt = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "")).parent.parent
+    return attempt.parent / "run_dir" if attempt.name.startswith("attempt_") else None
 
 
 def legacy_launcher_used() -> bool:
@@ -217,8 +184,7 @@ def legacy_launcher_used() -> bool:
 
 
 def check_port_free(init_method: str) -> None:
-    """Stop before the rendezvous if its port is taken (by another run, most often): a message,
-    not a workaround, instead of a DistNetworkError traceback from inside init_process_group."""
+    """Refuse a taken rendezvous port (another run's) before init_process_group's traceback does."""
     url = urlsplit(init_method)
     env = url.scheme == "env"
     port = int(os.environ["MASTER_PORT"]) if env else url.port
@@ -230,21 +196,15 @@ def check_port_free(init_method: str) -> None:
             probe.bind(("", port))
         except OSError:
             where = f"{init_method}, MASTER_PORT" if env else f"parallel.init_method={init_method}"
-            fix = (
-                "Choose a free port, or let torchrun choose one: torchrun --standalone ... or "
-                "--rdzv-endpoint=localhost:0."
-                if env
-                else "Choose a free port in it, or leave parallel.init_method at env:// (a free "
-                "port is picked)."
-            )
+            pick = ", or torchrun --standalone" if env else " in it, or parallel.init_method=env://"
             raise UserError(
-                f"Port {port} of the rendezvous ({where}) is in use, probably by another run. {fix}"
+                f"Port {port} of the rendezvous ({where}) is in use, probably by another run. "
+                f"Choose a free port{pick} (which picks one)."
             ) from None
 
 
 def check_rendezvous(init_method: str) -> None:
-    """The host of a tcp:// rendezvous is known, the folder of a file:// one exists: else
-    init_process_group fails deep inside, or waits without a word (file://)."""
+    """Refuse an unknown tcp:// host, a missing file:// folder: init_process_group won't say it."""
     url = urlsplit(init_method)
     if url.scheme == "tcp":
         try:
@@ -262,17 +222,15 @@ def check_rendezvous(init_method: str) -> None:
 
 
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
-    """torchrun's key-value store at MASTER_ADDR:MASTER_PORT, under a prefix of this attempt's own:
-    torchrun keeps one for all restarts, and an earlier attempt's keys (each rank's gloo address)
-    make a restarted group connect to dead processes (torch 2.14, pytorch/pytorch#135712); can go
-    when each restart gets a store of its own. The attempt is the one agent's restart count, or,
-    across machines (where an agent also restarts uncounted), each rank's own count in the store."""
+    """torchrun's store (one for all restarts) under this attempt's prefix: an earlier one's keys
+    (gloo addresses) join a restarted group to dead processes (torch 2.14, pytorch/pytorch#135712;
+    can go when each restart has its own). The attempt: the agent's restart count, or the rank's."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # one agent, one machine
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    else:
+    else:  # an agent also restarts uncounted
         attempt = store.add(f"train.py/attempts/rank{rank}", 1)
     return dist.PrefixStore(f"train.py/attempt{attempt}", store)
 
@@ -298,29 +256,17 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def remove_torchrun_folder() -> None:
-    """Once this machine's run succeeded, local rank 0 removes the folder of error files torchrun
-    leaves behind (torchelastic_* in the temporary directory, with no --log-dir), if it holds
-    nothing of torchrun's (an earlier attempt's error, --redirects' logs), only the anchor."""
-    if os.environ.get("LOCAL_RANK") != "0" or not (anchor := restart_anchor()):
-        return
-    folder = anchor.parents[1]  # {folder}/{run id}_{suffix}/run_dir
-    if (
-        folder.name.startswith("torchelastic_")
-        and folder.parent == Path(tempfile.gettempdir())
-        and all(path == anchor or path.is_dir() for path in folder.rglob("*"))
-    ):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def exit_worker(status: int = 0) -> None:
-    """End a finished (or failed, and recorded) DDP worker with `status`, its output flushed but the
-    interpreter's teardown skipped: there, with gloo, torch 2.14 can SIGABRT ("terminate called
-    without an active exception"; 1 in 10 runs of 3 ranks on 2 busy cores, never with this exit),
-    which torchrun reports as a failure. Gloo's threads outlive finalization (abandoned fix:
-    pytorch/pytorch#179291); can go when a release destroys process groups at exit."""
-    if status == 0:
-        remove_torchrun_folder()
+    """End a DDP worker with `status` (output flushed) without the interpreter's teardown: there,
+    with gloo, torch 2.14 can SIGABRT ("terminate called without an active exception"; 1 in 10 runs
+    of 3 ranks on 2 busy cores, never with this exit), a failure to torchrun: gloo's threads outlive
+    finalization (fix abandoned: pytorch/pytorch#179291); can go when a release destroys groups."""
+    # On success, local rank 0 removes torchrun's temporary folder if only the anchor is in it.
+    anchor = restart_anchor() if status == 0 and os.environ.get("LOCAL_RANK") == "0" else None
+    folder = anchor.parents[1] if anchor else Path()  # {folder}/{run id}_{suffix}/run_dir
+    ours = folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("torchelastic_")
+    if ours and all(path == anchor or path.is_dir() for path in folder.rglob("*")):
+        shutil.rmtree(folder, ignore_errors=True)
     if "wandb" in sys.modules:  # what its atexit hook does: wait for its files, stop its service
         sys.modules["wandb"].teardown()
     logging.shutdown()

@@ -1,5 +1,4 @@
-"""parallel=ddp: DistributedDataParallel, one process per device, each holding the whole model and
-all-reducing the gradients of its share of every batch."""
+"""parallel=ddp: DistributedDataParallel, a process per device all-reducing its gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from src.engine.errors import UserError, above, refuse
 from src.engine.parallel import compiled
@@ -21,50 +21,41 @@ class DDP(GroupStrategy):
 
     name: ClassVar[str] = "ddp"
     syncs_batchnorm: ClassVar[bool] = True
-    # Search each step for parameters that got no gradient (slower).
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = False  # search each step for parameters with no grad (slower)
     bucket_cap_mb: float = above(0, 25)  # MiB of gradients all-reduced together in one bucket
     gradient_as_bucket_view: bool = False  # gradients alias the all-reduce buckets (less memory)
     static_graph: bool = False  # promise the same parameters are used every step (optimisations)
-    # BatchNorm with batch statistics over all ranks' shares (nn.SyncBatchNorm; CUDA only).
-    sync_batchnorm: bool = False
-    # The drift guard: compare the ranks' parameters (a checksum); stop at the first that differs.
-    # eval = before each validation and save; N = also every N steps; null = never.
-    check_sync_every_n_steps: Any = "eval"
+    sync_batchnorm: bool = False  # BatchNorm statistics over all ranks' shares (CUDA only)
+    # The drift guard, comparing the ranks' parameters: eval = before each validation and save;
+    check_sync_every_n_steps: Any = "eval"  # N = also every N steps; null = never
 
     def __post_init__(self) -> None:
         super().__post_init__()
         every = self.check_sync_every_n_steps
-        steps = isinstance(every, int) and not isinstance(every, bool) and every >= 1
-        if not (steps or every in (None, "eval")):
-            refuse("parallel.check_sync_every_n_steps", every, "eval (before each validation and "
-                   "save), N of 1 or more (also every N steps) or null")  # fmt: skip
+        said = "eval (before each validation and save), N >= 1 (also every N steps) or null"
+        if not (every in (None, "eval") or (type(every) is int and every >= 1)):  # not a bool
+            refuse("parallel.check_sync_every_n_steps", every, said)
 
-    @property
-    def drift_every(self) -> int | str | None:
-        return self.check_sync_every_n_steps
+    drift_every = property(lambda self: self.check_sync_every_n_steps)  # the protocol's name
 
     def check(self, settings: Any) -> None:
         super().check(settings)
         if self.static_graph and settings.trainer.accumulate_grad_batches > 1:
             raise UserError(
                 "parallel.static_graph=true cannot skip the all-reduce of accumulated "
-                "micro-batches (DDP's no_sync asserts, pytorch/pytorch#143580): use "
-                "parallel.static_graph=false with trainer.accumulate_grad_batches."
+                "micro-batches (DDP's no_sync asserts, pytorch/pytorch#143580): leave it false."
             )
         on_cpu = str(settings.device).startswith(("cpu", "mps"))
         if self.sync_batchnorm and (on_cpu or not torch.cuda.is_available()):
             raise UserError(
                 "parallel.sync_batchnorm=true needs CUDA GPUs: PyTorch's SyncBatchNorm runs only "
-                "there. Leave it false on CPUs (each rank then normalises by its own share's "
-                "statistics)."
+                "there. Leave it false on CPUs (each rank normalises by its own share)."
             )
 
     def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
-        if self.sync_batchnorm:  # BatchNorm's statistics over all ranks' shares
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.sync_batchnorm else model
         device = next(model.parameters()).device
-        return nn.parallel.DistributedDataParallel(
+        return DistributedDataParallel(
             compiled(model, trainer),
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters,
@@ -74,12 +65,10 @@ class DDP(GroupStrategy):
         )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
-        return super().unwrap(model.module if wrapped else model)
+        return super().unwrap(model.module if isinstance(model, DistributedDataParallel) else model)
 
     def evaluated(self, model: nn.Module) -> nn.Module:
-        """The model inside: DDP's forward may broadcast buffers, a collective that ranks with
-        different numbers of evaluation batches would hang in."""
+        """The inner model: DDP's forward may broadcast buffers, a hang for uneven evaluations."""
         return model.module
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:

@@ -1,10 +1,8 @@
-"""parallel=fsdp: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), and its state dicts.
-
-Each rank holds 1/N of every parameter, gradient and optimizer state. Checkpoints stay plain
-(what one process would save, gathered onto rank 0), so they load into every mode;
-`checkpoint.sharded=true` writes each rank's part with `torch.distributed.checkpoint` instead.
-FSDP and that module are imported where used: their 0.75 s would slow every other mode's start.
-"""
+"""parallel=fsdp: FSDP2's `fully_shard`. Each rank holds 1/N of every parameter, gradient and
+optimizer state, and gathers a unit's weights for its forward and backward only. Checkpoints stay
+plain (one process's, gathered onto rank 0), so they load into every mode; `checkpoint.sharded=true`
+writes each rank's part with DCP (`torch.distributed.checkpoint`) instead. FSDP and DCP are
+imported where used: 0.75 s on every other mode's start."""
 
 from __future__ import annotations
 
@@ -16,18 +14,20 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.optim import Optimizer
 
 from src.engine.errors import UserError
 from src.engine.parallel import Process, compiled
 from src.engine.parallel.group import GroupStrategy
 
+# Whole state dicts on rank 0's CPU only ({} elsewhere): no device holds two copies, rank 0 writes.
+GATHERED = {"full_state_dict": True, "cpu_offload": True}
+
 
 @dataclass
 class FSDP(GroupStrategy):
-    """FSDP2's `fully_shard`: a rank gathers a unit's weights for its forward and backward only."""
-
     name: ClassVar[str] = "fsdp"
     replicated: ClassVar[bool] = False
     even_eval: ClassVar[bool] = True
@@ -39,17 +39,14 @@ class FSDP(GroupStrategy):
     find_unused_parameters: bool = False  # DDP's: true is refused here (FSDP needs no search)
 
     def __post_init__(self) -> None:
-        if self.sync_batchnorm:
-            raise UserError(
-                "parallel.sync_batchnorm=true is DDP's: parallel=fsdp normalises each rank's "
-                "share by its own statistics. Use parallel=ddp for SyncBatchNorm, or leave it "
-                "false."
-            )
-        if self.find_unused_parameters:
-            raise UserError(
-                "parallel.find_unused_parameters=true is DDP's: FSDP needs no search for "
-                "parameters without a gradient. Leave it false with parallel=fsdp."
-            )
+        for key, why in {
+            "sync_batchnorm": "parallel=fsdp normalises each rank's share by its own statistics. "
+            "Use parallel=ddp for SyncBatchNorm, or leave it false.",
+            "find_unused_parameters": "FSDP needs no search for parameters without a gradient. "
+            "Leave it false with parallel=fsdp.",
+        }.items():
+            if getattr(self, key):
+                raise UserError(f"parallel.{key}=true is DDP's: {why}")
         super().__post_init__()
 
     def check(self, settings: Any) -> None:
@@ -69,12 +66,11 @@ class FSDP(GroupStrategy):
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        model = self.unwrap(model)
-        model.set_requires_gradient_sync(False)
+        self.unwrap(model).set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            self.unwrap(model).set_requires_gradient_sync(True)
 
     def scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
         """Each rank sees part of the gradients: this scaler agrees with the others on overflows."""
@@ -83,20 +79,18 @@ class FSDP(GroupStrategy):
         return ShardedGradScaler(device.type, enabled=enabled)
 
     # A DTensor is told by its methods: DTensor itself is not imported for this.
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+    def local(self, tensor: Tensor) -> Tensor:
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+    def full(self, tensor: Tensor) -> Tensor:
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    def model_state(self, model: nn.Module) -> dict[str, Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.unwrap(model), options=_gathered_on_rank_0())
+        return get_model_state_dict(self.unwrap(model), options=StateDictOptions(**GATHERED))
 
-    def load_model_state(
-        self, model: nn.Module, state: dict[str, torch.Tensor], process: Process
-    ) -> None:
+    def load_model_state(self, model: nn.Module, state: dict, process: Process) -> None:
         """Each rank receives its shards of the full `state` from rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -104,17 +98,14 @@ class FSDP(GroupStrategy):
         state = dict(state) if process.is_main else {}
         set_model_state_dict(self.unwrap(model), state, options=options)
 
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict:
         return optimizer_state(self.unwrap(model), optimizer)
 
-    def load_optimizer_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
+    def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict) -> None:
         load_optimizer_state(self.unwrap(model), optimizer, state)
 
-    def save_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-        """Write each rank's shards of the model and the optimizer into the existing `folder`. A
-        write the storage refused on any rank is raised as that OSError, on every rank."""
+    def save_shards(self, model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
+        """Each rank writes its shards into `folder`; an OSError on any rank is raised on all."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -122,37 +113,30 @@ class FSDP(GroupStrategy):
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
         except dcp.api.CheckpointException as err:
-            refused = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
-            if refused:
+            if refused := [e for e, _ in err.failures.values() if isinstance(e, OSError)]:
                 raise refused[0] from None
             raise
 
     def load_shards(
-        self, model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None = None
+        self, model: nn.Module, folder: Path, optimizer: Optimizer | None = None
     ) -> None:
-        """Load the model's shards from `folder` (or, given the `optimizer`, its shards only),
-        saved with any number of ranks: each rank reads the parts of its own shards."""
+        """The model's shards (given `optimizer`, its shards only), saved by any number of ranks."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import state_dict as dsd
 
         model = self.unwrap(model)
-        if optimizer is None:
-            state = {"model": dsd.get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=folder)
-            dsd.set_model_state_dict(model, state["model"])
-        else:
-            state = {"optimizer": dsd.get_optimizer_state_dict(model, optimizer)}
-            dcp.load(state, checkpoint_id=folder)
-            dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        part, own = ("model", [model]) if optimizer is None else ("optimizer", [model, optimizer])
+        state = {part: getattr(dsd, f"get_{part}_state_dict")(*own)}  # get_model_state_dict...
+        dcp.load(state, checkpoint_id=folder)
+        getattr(dsd, f"set_{part}_state_dict")(*own, state[part])
 
     def saved_tensors(self, folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The model's tensors that the shards in `folder` hold, by name: whole shape and dtype."""
         from torch.distributed.checkpoint import FileSystemReader
 
-        saved = FileSystemReader(folder).read_metadata().state_dict_metadata
         return {
             name.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
-            for name, meta in saved.items()
+            for name, meta in FileSystemReader(folder).read_metadata().state_dict_metadata.items()
             if name.startswith("model.") and hasattr(meta, "size")
         }
 
@@ -188,28 +172,16 @@ def shard(
     return fully_shard(model, mp_policy=low, **options)
 
 
-def _gathered_on_rank_0() -> Any:
-    """Gather onto rank 0's CPU only ({} elsewhere): no device holds two copies, rank 0 writes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` whole on rank 0 ({} elsewhere), numbered as a plain optimizer's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The full `optimizer.state_dict()` on rank 0 ({} on the others), its parameters numbered as a
-    plain optimizer's (PyTorch gathers them by name), so that it loads anywhere."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer, options=_gathered_on_rank_0())
-    if not state:
-        return state
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    return _rekeyed(state, {name: number for number, name in enumerate(names)})
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(**GATHERED))
+    names = [name for group in state.get("param_groups", []) for name in group["params"]]
+    return _rekeyed(state, {name: number for number, name in enumerate(names)}) if state else state
 
 
-def load_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-) -> None:
+def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
     """Load a plain `optimizer.state_dict()`, which every rank holds, into the sharded `model`'s."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -217,8 +189,7 @@ def load_optimizer_state(
         optimizer.load_state_dict(state)
         return
     names = {id(p): name for name, p in model.named_parameters()}
-    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    state = _rekeyed(state, ordered)
+    state = _rekeyed(state, [names[id(p)] for g in optimizer.param_groups for p in g["params"]])
     # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this) are left
     # out: the settings are this config's anyway (resume.apply_settings), the moments continue.
     state["param_groups"] = [
@@ -232,10 +203,5 @@ def load_optimizer_state(
 
 def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
     """`state` with each parameter's key `k` replaced by `key[k]` (numbers for names, or back)."""
-    return {
-        "state": {key[k]: value for k, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [key[k] for k in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
+    groups = [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]]
+    return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": groups}

@@ -1,19 +1,15 @@
-"""`python train.py debug=equivalence <overrides>`: does DDP (or FSDP) train your config exactly as
-one process does? It trains `debug.steps` steps with the engine's own loop in up to four layouts
-from the same weights on the same batches (one process, the reference; micro-batches; 2 DDP or FSDP
-processes; both), prints a table and a verdict, and exits 1 naming the likely causes where a layout
-differs by more than rounding. It compares in float64 (unless debug.precision=train, or the model
-cannot run in it): float32's rounding, carried on by training and magnified by adaptive optimizers,
-would pass for a difference. Dropout is off: each process would draw its own masks.
-"""
+"""`python train.py debug=equivalence`: does DDP (or FSDP) train your config as one process does?
+It trains `debug.steps` steps with the engine's `fit` from the same weights and batches in up to
+four layouts (1 process, the reference; micro-batches; 2 processes; both), dropout off, in float64
+where rounding cannot pass for a difference (debug.precision=train: in the config's precision), and
+exits 1 naming the likely causes where one differs."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-from dataclasses import field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,14 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.engine import checkpoint, launch, parallel
-from src.engine.build import (
-    build_model,
-    build_parts,
-    build_strategy,
-    configure_kernels,
-    instantiated,
-    read_settings,
-)
+from src.engine.build import build_model, build_parts, build_strategy, instantiated, read_settings
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Settings
 from src.engine.core.context import Hook, Hooks, Run
@@ -39,24 +28,20 @@ from src.engine.core.loop import fit
 from src.engine.core.state import Parts, Progress
 from src.engine.errors import UserError, first_line
 from src.engine.guards import drift
-from src.engine.parallel import Process
 from src.engine.parallel.devices import pick_device
 
 log = logging.getLogger("equivalence")
 
 PROCESSES = 2
 # Float rounding: sums in another order (processes' shares, micro-batches) differ in their last
-# bits, and training carries that on. Measured over 20 Fashion-MNIST steps on the CPU: the CNN
-# within 3e-7 in float32 and 4.2e-16 in float64, a small ViT with Adam within 1.4e-13 in float64
-# (8.8e-5 in float32); real differences (BatchNorm on half a batch, randomness) were 7e-2 or more.
-# bfloat16, float16 and TF32 matmuls (matmul_precision=high) round at 4e-3, 5e-4 and 1e-3 per
-# operation: their bound is wide, and ranks that drift apart fail the check anyway.
+# bits, and training carries that on. Over 20 Fashion-MNIST steps on the CPU: the CNN within 3e-7
+# in float32 and 4.2e-16 in float64, a small ViT with Adam 1.4e-13 in float64 (8.8e-5 in float32);
+# real differences (BatchNorm on half a batch, randomness) 7e-2 or more. bfloat16, float16 and TF32
+# round at 4e-3, 5e-4 and 1e-3 per operation: a wide bound (ranks that drift apart fail anyway).
 FLOAT64, FLOAT32, LOWER_PRECISION = 1e-9, 1e-5, 1e-2
-# A gradient this small against the largest is rounding of a 0 one (float32 rounds at 1.2e-7 of
-# the terms summed; a real gradient is rarely 1e-6 of the largest).
-ZERO_GRADIENT = 1e-6
+ZERO_GRADIENT = 1e-6  # of the largest: a 0 one's rounding (float32's is 1.2e-7 of the terms)
 # A loss difference that first passes the tolerance at this many times its largest before: a near
-# tie flipped (rounding's grew at most 3 times a step over 40 float32 steps of the MLP and a ViT).
+# tie flipped (rounding's grew at most 3-fold a step over 40 float32 steps of the MLP and a ViT).
 JUMP = 20
 # The state of optimizers that divide each gradient by its running size (Adam, AdamW, RMSprop,
 # Adagrad, Adadelta, Adamax): they turn the rounding noise of a zero gradient into a step.
@@ -71,7 +56,7 @@ class NotEquivalent(CompactHydraException):
     """A layout trained something else than one process did (Hydra prints the message, exit 1)."""
 
 
-@dataclasses.dataclass
+@dataclass
 class Trace:
     """What one layout did."""
 
@@ -82,9 +67,8 @@ class Trace:
     rank_buffers: list[str] = field(default_factory=list)  # buffers the ranks differ in, step 1
     drifted: tuple[int, str, int] | None = None  # (step, parameter, rank): ranks differ there
     failed: str | None = None  # DDP's refusal that ended its training early, and its step
-    # The reference: each gradient element's largest magnitude, and whether the optimizer adapts.
-    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
-    adaptive: bool = False
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference's largest
+    adaptive: bool = False  # the reference's optimizer divides by the gradients' running size
 
 
 def check(cfg: DictConfig) -> None:
@@ -96,15 +80,15 @@ def check(cfg: DictConfig) -> None:
         )
     settings = read_settings(cfg)
     steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
-    precision = str(cfg.debug.get("precision", "64"))
+    precision, own = str(cfg.debug.get("precision", "64")), settings.trainer.precision
     if not (isinstance(steps, int) and steps >= 1):
         raise UserError(f"debug.steps={steps}: train at least 1 step in each layout.")
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"debug.tolerance={tolerance}: use a bound above 0, or null.")
-    if precision not in ("64", "train"):  # float64, or the config's own
+    if precision not in ("64", "train"):
         raise UserError(
             f"debug.precision={precision}: use 64 (compare in float64) or train (in "
-            f"trainer.precision={settings.trainer.precision})."
+            f"trainer.precision={own})."
         )
     group, micro = group_of(cfg, settings), micro_batches(cfg, settings)
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
@@ -113,7 +97,7 @@ def check(cfg: DictConfig) -> None:
         "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
         "the config's own precision)"
         if precision == "64"
-        else f"in trainer.precision={settings.trainer.precision} (debug.precision=train)"
+        else f"in trainer.precision={own} (debug.precision=train)"
     )
     on = "GPUs (nccl)" if gpus else "the CPU (gloo)"
     log.info("Training %d steps in each layout, %s, dropout off, on %s", steps, in_what, on)
@@ -123,30 +107,22 @@ def check(cfg: DictConfig) -> None:
         exact = trainer.precision == "32" and trainer.matmul_precision == "highest"
         tolerance = FLOAT64 if trainer.precision == "64" else FLOAT32 if exact else LOWER_PRECISION
     processes = layout_config(cfg, device, micro, group, trainer.precision)
-    traces = train_layouts(one, run)
-    traces += launch.start_workers(group_layouts, processes, PROCESSES)
+    traces = train_layouts(one, run) + launch.start_workers(group_layouts, processes, PROCESSES)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
     rows = {name: compare(trace, traces[0], steps) for name, trace in layouts.items()}
     log.info("\n%s", table(rows, traces[0]))
-    differ = [name for name, row in rows.items() if not row.within(tolerance)]
-    if not differ:
-        within = {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's")
-        changes = f"parallel={mode} and trainer.accumulate_grad_batches change"
-        log.info(
-            "Equivalent: every layout trains this config as one process does, within %s "
-            "rounding (tolerance %.0e): %s only the speed.",
-            within,
-            tolerance,
-            changes if micro else f"parallel={mode} changes",
+    if differ := [name for name, row in rows.items() if not row.within(tolerance)]:
+        causes = likely_causes(layouts, rows, differ, probe(one, run), processes, tolerance)
+        raise NotEquivalent(
+            f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
+            f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
         )
-        return
-    model, batch = probe(one, run)
-    random = randomness(model, run, batch)
-    strategy = build_strategy(processes.parallel)
-    causes = likely_causes(layouts, rows, differ, model, random, strategy, tolerance)
-    raise NotEquivalent(
-        f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
-        f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
+    within = {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's")
+    changes = f"parallel={mode} and trainer.accumulate_grad_batches change"
+    changes = changes if micro else f"parallel={mode} changes"
+    log.info(
+        f"Equivalent: every layout trains this config as one process does, within {within} "
+        f"rounding (tolerance {tolerance:.0e}): {changes} only the speed."
     )
 
 
@@ -160,10 +136,9 @@ def preset(mode: str) -> DictConfig:
     return ConfigStore.instance().load(f"schema/parallel/{mode}.yaml").node
 
 
-def set_up(cfg: DictConfig, process: Process | None = None) -> Run:
+def set_up(cfg: DictConfig, process: parallel.Process | None = None) -> Run:
     """`cfg`'s settings and data on `process` (None: one of the process group, joined here)."""
-    settings = read_settings(cfg)
-    configure_kernels(settings.trainer)
+    settings = read_settings(cfg)  # its kernels set by build_model, as in a training run
     process = process or settings.parallel.setup(settings.device, settings.trainer)
     data = instantiated("data", cfg.data)
     data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
@@ -174,21 +149,18 @@ def compared(
     cfg: DictConfig, device: str, micro: int | None, float64: bool
 ) -> tuple[DictConfig, Run]:
     """The one-process layouts' config and run: in float64 where asked and possible, else not."""
-    process = Process(device=pick_device(device))
+    process = parallel.Process(device=pick_device(device))
     if float64:
         one = layout_config(cfg, device, micro, preset("none"), "64")
         run = set_up(one, process)
         try:  # one forward and backward: a float32 tensor made in the forward meets float64 ones
-            model, batch = probe(one, run)
-            gradients(model, run, batch)
+            gradients(*probe(one, run))
             return one, run
         except (UserError, RuntimeError, TypeError) as err:
             error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
             log.warning(
-                "Comparing in trainer.precision=%s instead, with its tolerance: the model fails "
-                "in float64 (%s)",
-                cfg.trainer.precision,
-                first_line(error),
+                f"Comparing in trainer.precision={cfg.trainer.precision} instead, with its "
+                f"tolerance: the model fails in float64 ({first_line(error)})"
             )
     one = layout_config(cfg, device, micro, preset("none"))
     return one, set_up(one, process)
@@ -204,10 +176,9 @@ def micro_batches(cfg: DictConfig, settings: Settings) -> int | None:
     micro = max(settings.trainer.accumulate_grad_batches, 2)
     if cfg.data.batch_size // PROCESSES < micro:
         return None
-    accumulating = dataclasses.replace(settings.trainer, accumulate_grad_batches=micro)
+    trainer = replace(settings.trainer, accumulate_grad_batches=micro)
     try:  # static_graph=true cannot accumulate, for one
-        strategy = build_strategy(group_of(cfg, settings))
-        strategy.check(dataclasses.replace(settings, trainer=accumulating))
+        build_strategy(group_of(cfg, settings)).check(replace(settings, trainer=trainer))
     except UserError as err:
         log.info("No micro-batch layouts: %s", err)
         return None
@@ -216,11 +187,9 @@ def micro_batches(cfg: DictConfig, settings: Settings) -> int | None:
 
 def layout_names(micro: int | None, mode: str = "ddp") -> list[str]:
     """The layouts, in the order they are trained: each process count, then with micro-batches."""
-    names = []
-    for processes in ("1 process", f"{PROCESSES} {mode.upper()} processes"):
-        names += [processes] + ([f"{processes} × {micro} micro-batches"] if micro else [])
-    names[0] += " (reference)"
-    return names
+    splits = [""] + ([f" × {micro} micro-batches"] if micro else [])
+    names = [n + s for n in ("1 process", f"{PROCESSES} {mode.upper()} processes") for s in splits]
+    return [f"{names[0]} (reference)", *names[1:]]
 
 
 def layout_config(
@@ -247,29 +216,26 @@ def group_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
 def train_layouts(cfg: DictConfig, run: Run) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
     weights = checkpoint.find_weights(run.settings, run.process)  # init_from, where there is one
-    traces = []
-    for k in [1] + ([cfg.debug.micro_batches] if cfg.debug.micro_batches else []):
-        trainer = dataclasses.replace(run.trainer, accumulate_grad_batches=k)
-        layout = Run(run.process, dataclasses.replace(run.settings, trainer=trainer), run.data)
-        traces.append(train_layout(cfg, layout, weights))
-    return traces
+    micro = cfg.debug.micro_batches
+    return [train_layout(cfg, run, weights, k) for k in [1] + ([micro] if micro else [])]
 
 
-def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
-    """Train `debug.steps` steps with the engine's `fit`, watching; evaluate the end weights."""
-    steps, strategy, data = cfg.debug.steps, run.strategy, run.data
+def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -> Trace:
+    """Train `debug.steps` steps in `micro` micro-batches with `fit`, watching; then evaluate."""
+    steps, data, trace = cfg.debug.steps, run.data, Trace()
+    trainer = replace(run.trainer, accumulate_grad_batches=micro)
+    run = replace(run, settings=replace(run.settings, trainer=trainer))
     model = build_model(cfg, run, weights)
-    dropouts_off(strategy.unwrap(model))
+    dropouts_off(run.strategy.unwrap(model))
     parts, progress, _ = build_parts(cfg, run, model, None)  # the schedule planned as configured
-    trace = Trace()
     # Only debug.steps of it, whatever the config's epochs, a check after each step, no file.
-    epochs = max(run.trainer.epochs, math.ceil(steps / data.steps_per_epoch))
-    trainer = dataclasses.replace(run.trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
-    trainer = dataclasses.replace(trainer, test_weights="last", early_stopping_patience=None)
-    policy = dataclasses.replace(run.settings.checkpoint, save=False)
-    settings = dataclasses.replace(run.settings, trainer=trainer, checkpoint=policy)
-    fitting = dataclasses.replace(run, settings=settings, hooks=Hooks([Watcher(trace, parts)]))
-    fitting.checkpointer = Checkpointer(policy, Path.cwd(), run.process, strategy, {}, {})
+    epochs = max(trainer.epochs, math.ceil(steps / data.steps_per_epoch))
+    trainer = replace(trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
+    trainer = replace(trainer, test_weights="last", early_stopping_patience=None)
+    policy = replace(run.settings.checkpoint, save=False)
+    settings = replace(run.settings, trainer=trainer, checkpoint=policy)
+    fitting = replace(run, settings=settings, hooks=Hooks([Watcher(trace, parts)]))
+    fitting.checkpointer = Checkpointer(policy, Path.cwd(), run.process, run.strategy, {}, {})
     try:
         fit(fitting, parts, progress)
     except RuntimeError as err:
@@ -279,7 +245,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None) -> Trace:
     for split in ("val", "test"):
         if data.size(split):
             trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
-    state = strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
+    state = run.strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
 
@@ -288,37 +254,25 @@ class Watcher(Hook):
     """After each step: the loss over the global batch, and what makes layouts differ."""
 
     def __init__(self, trace: Trace, parts: Parts) -> None:
-        self.trace, self.parts, self.loss = trace, parts, None
+        self.trace, self.parts = trace, parts
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
-        self.loss = loss
         model, process = run.strategy.unwrap(self.parts.model), run.process
-        trace, step = self.trace, progress.step
+        trace, step, parameters = self.trace, progress.step, list(model.named_parameters())
+        trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
         if step == 1:
-            trace.no_grad = [
-                name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
-            ]
+            trace.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
             trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
         if trace.drifted is None and run.strategy.replicated:  # sharded: each rank its own part
-            found = drift.differing(process, list(model.named_parameters()))
+            found = drift.differing(process, parameters)
             trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
         if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
-            for name, p in model.named_parameters():
+            for name, p in parameters:
                 if p.grad is not None:
                     size = p.grad.detach().abs().cpu()
                     trace.gradients[name] = torch.maximum(trace.gradients.get(name, size), size)
             state = self.parts.optimizer.state.values()
             trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
-
-    def votes(self, run: Run, progress: Progress, weights: nn.Module | None) -> list[float]:
-        return [] if self.loss is None else [self.loss.item()]
-
-    def agreed(
-        self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
-    ) -> None:
-        if sums:  # the first check after a step: the global batch's loss
-            self.trace.losses.append(sums[0] / run.process.world_size)
-            self.loss = None
 
 
 def dropouts_off(model: nn.Module) -> None:
@@ -329,7 +283,7 @@ def dropouts_off(model: nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, nn.Identity())
 
 
-@dataclasses.dataclass
+@dataclass
 class Difference:
     """How far a layout is from the reference, relative."""
 
@@ -353,13 +307,10 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
     pairs = zip(trace.losses, reference.losses, strict=False)
     per_step = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
     loss = max(((d, step) for step, d in enumerate(per_step, 1)), default=(0.0, None))
-    weight = max(
-        (
-            ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
-            for name, a in trace.weights.items()
-            if (b := reference.weights[name]).is_floating_point() and b.numel()
-        ),
-        default=(0.0, None),
+    changes = (
+        ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
+        for name, a in trace.weights.items()
+        if (b := reference.weights[name]).is_floating_point() and b.numel()
     )
     eval_losses, correct = {}, {}  # where the task reports a loss metric, correct counts
     for s, m in trace.evals.items():
@@ -368,9 +319,9 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
             eval_losses[s] = abs(m[f"{s}/loss"] / theirs[f"{s}/loss"] - 1)
         if f"{s}/correct" in m:
             correct[s] = m[f"{s}/correct"] - theirs[f"{s}/correct"]
+    weight, eval_loss = max(changes, default=(0.0, None)), max(eval_losses.values(), default=0.0)
     complete = len(trace.losses) == steps and trace.failed is None
     drifted = trace.drifted is not None and trace.failed is None
-    eval_loss = max(eval_losses.values(), default=0.0)
     return Difference(
         loss, weight, eval_loss, correct, trace.failed, complete, drifted, eval_losses, per_step
     )
@@ -382,38 +333,33 @@ def table(rows: dict[str, Difference], reference: Trace) -> str:
     counted = {s: f"{s}/correct" in metrics for s, metrics in evals.items()}
     lines = [["layout", "loss (step)", "weights (where)"]]
     lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
+    own = [  # the reference's row: its correct counts (or losses)
+        f"{m[f'{s}/correct']}/{m['size']}" if counted[s] else f"{m.get(f'{s}/loss', math.nan):.4g}"
+        for s, m in evals.items()
+    ]
     for name, row in rows.items():
-        if name.endswith("(reference)"):
-            cells = ["-", "-"]
-            for s, m in evals.items():
-                loss = m.get(f"{s}/loss", float("nan"))
-                cells.append(f"{m[f'{s}/correct']}/{m['size']}" if counted[s] else f"{loss:.4g}")
-        else:
-            (loss, step), (weight, where) = row.loss, row.weight
-            cells = [f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
-            if row.failed:
-                cells[0] = f"failed at {row.failed.split(':')[0]}"
-            for s in evals:
-                change = f"{row.correct.get(s, 0):+d}"
-                cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
-        lines.append([name, *cells])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )
+        (loss, step), (weight, where) = row.loss, row.weight
+        cells = [f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
+        if row.failed:
+            cells[0] = f"failed at {row.failed.split(':')[0]}"
+        for s in evals:
+            change = f"{row.correct.get(s, 0):+d}"
+            cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
+        lines.append([name, "-", "-", *own] if name.endswith("(reference)") else [name, *cells])
+    widths = [max(map(len, column)) for column in zip(*lines, strict=True)]
+    return "\n".join("  ".join(map(str.ljust, line, widths)).rstrip() for line in lines)
 
 
 def likely_causes(
     layouts: dict[str, Trace],
     rows: dict[str, Difference],
     differ: list[str],
-    model: nn.Module,
-    randomness: tuple[bool, bool],
-    strategy: parallel.Strategy,
+    probed: tuple[nn.Module, Run, tuple],
+    processes: DictConfig,
     tolerance: float,
 ) -> list[str]:
-    """What could make the layouts `differ`, from what the runs and the one-process `model` show."""
-    reference = next(iter(layouts.values()))
+    """What could make the layouts `differ`, from the runs and the one-process model `probed`."""
+    reference, strategy = next(iter(layouts.values())), build_strategy(processes.parallel)
     failures: dict[str, list[str]] = {}
     for name in differ:
         if failed := layouts[name].failed:
@@ -425,6 +371,7 @@ def likely_causes(
             "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
             "them out of the model"
         )
+    model = probed[0]
     norms = [  # those that normalise by this process's batch alone (SyncBatchNorm shares it)
         name
         for name, m in model.named_modules()
@@ -433,9 +380,8 @@ def likely_causes(
     layers = f"BatchNorm layers ({', '.join(norms[:5])})"
     if norms and strategy.sync_batchnorm:
         causes.append(
-            f"{layers} normalise each micro-batch by its own statistics: no setting makes "
-            "accumulation match whole batches there (parallel.sync_batchnorm=true covers the "
-            "processes only)"
+            f"{layers} normalise each micro-batch by its own statistics, which no setting changes "
+            "(parallel.sync_batchnorm=true covers the processes only)"
         )
     elif norms:
         micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
@@ -457,17 +403,17 @@ def likely_causes(
                 f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
                 "some code changes weights outside the optimizer step, on some ranks only"
             )
-    random, repeatable = randomness
-    if random:
-        causes.append(
-            "the model draws random numbers in training (not in a dropout layer, which this "
-            "check switches off): each process draws its own; make it a dropout layer, or draw "
-            "it in eval mode only"
-        )
-    elif not repeatable:
+    # The first batch's gradients twice with one seed and once with another.
+    first, again, other = (gradients(*probed, seed) for seed in (0, 0, 1))
+    if not all(torch.equal(a, b) for a, b in zip(first, again, strict=True)):
         causes.append(
             "the same step twice gives other gradients: non-deterministic kernels; run with "
             "trainer.deterministic=true"
+        )
+    elif not all(torch.equal(a, b) for a, b in zip(first, other, strict=True)):
+        causes.append(
+            "the model draws random numbers in training (not in a dropout layer, which is off "
+            "here): each process draws its own; use a dropout layer, or draw in eval mode only"
         )
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
@@ -519,9 +465,8 @@ def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float
     if at >= JUMP * before:
         return (
             f"in {name} the loss jumps at step {over + 1}, from rounding ({before:.0e} up to "
-            f"there) to {at:.1e}: a near tie (a ReLU, a max, an argmax) that rounding tipped "
-            "the other way, which training carries on: rounding, not DDP (float64, "
-            "debug.precision=64, makes such ties far rarer)"
+            f"there) to {at:.1e}: a near tie (a ReLU, a max) that rounding tipped, carried on by "
+            "training: rounding, not DDP (debug.precision=64 makes such ties far rarer)"
         )
     return (
         f"in {name} the loss difference grows from step 1 ({steps[0]:.0e}) to {at:.1e} at step "
@@ -529,20 +474,12 @@ def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float
     )
 
 
-def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, tuple]:
-    """The config's model as one process builds it, dropout off, and its first batch."""
+def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
+    """The config's model as one process builds it, dropout off, its run, and its first batch."""
     model = build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
     model.train()
     dropouts_off(run.strategy.unwrap(model))
-    return model, next(run.data.train_batches(1))
-
-
-def randomness(model: nn.Module, run: Run, batch: tuple) -> tuple[bool, bool]:
-    """Whether `batch`'s gradients depend on the seed (random), and repeat with one (repeatable)."""
-    first, again, other = (gradients(model, run, batch, seed) for seed in (0, 0, 1))
-    same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    seeded = all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
-    return same and not seeded, same
+    return model, run, next(run.data.train_batches(1))
 
 
 def gradients(model: nn.Module, run: Run, batch: tuple, seed: int = 0) -> list[torch.Tensor]:

@@ -23,17 +23,13 @@ WORDS = {"acc": "accuracy", "mae": "mean absolute error"}  # on an axis; any oth
 
 
 class Predicted(NamedTuple):
-    """Test images (uint8, on the CPU) and the task's caption of each: its text, and whether the
-    model got that image wrong (drawn in red)."""
-
-    images: torch.Tensor
-    captions: list[tuple[str, bool]]
+    images: torch.Tensor  # test images, uint8, on the CPU
+    captions: list[tuple[str, bool]]  # each one's caption, and whether it is wrong (drawn red)
 
 
 @torch.inference_mode()
 def predict(model: nn.Module, data: Data, task: Task, count: int = 32) -> Predicted | None:
-    """The task's captions of the model's outputs for `count` test images spread over the split;
-    None where the data are not images or the task has no captions for them."""
+    """`count` test images and the task's captions of the outputs; None if it has none for them."""
     if not getattr(data, "is_image", True) or not hasattr(task, "captions"):
         return None
     model.eval()
@@ -43,9 +39,8 @@ def predict(model: nn.Module, data: Data, task: Task, count: int = 32) -> Predic
 
 
 def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
-    """The run's pictures, into its folder and to its tracker; then every rank stops together if
-    the storage refused a file of the run, and none leaves the process group while another still
-    uses it."""
+    """The run's pictures, into its folder and tracker; then every rank stops together if the
+    storage refused a file of the run (none leaves the process group while another uses it)."""
     unwritten = run.logger and run.logger.fault  # metrics.jsonl, refused by the storage
     # Every rank predicts: under FSDP a forward needs them all.
     shown = predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
@@ -59,32 +54,27 @@ def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
 
 def draw(run_dir: Path, shown: Predicted | None, data: Data) -> list[Path]:
     """Write curves.png into `run_dir`, and predictions.png where something is `shown`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no window
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     pictures = [curves(records, run_dir / "curves.png")]
     return pictures if shown is None else [*pictures, predictions(shown, run_dir)]
 
 
 def curves(records: list[dict[str, Any]], path: Path) -> Path:
-    """Write `curves_figure` of the records (metrics.jsonl's lines) to `path`."""
     return _save(curves_figure(records), path)
 
 
 def curves_figure(records: list[dict[str, Any]]) -> Figure:
     """The loss (training's per step, validation's per epoch), then a panel for each other metric
     logged: validation's per epoch, and the test as a star at the epoch whose weights it tested."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot's: no window, nothing to close
     from matplotlib.ticker import MaxNLocator
 
     evals = [r for r in records if logged(r, "val")]
     test = next((r for r in reversed(records) if logged(r, "test")), {})
     found = [*(measured(r, "val") for r in evals), measured(test, "test")]
     names = [name for name in dict.fromkeys(n for m in found for n in m) if name != "loss"]
-    panels = 1 + len(names)
-    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
-    loss_axes, *metric_axes = axes[0]
+    figure = Figure(figsize=(5 + 5 * len(names), 4))
+    loss_axes, *metric_axes = figure.subplots(1, 1 + len(names), squeeze=False)[0]
     _plot(loss_axes, records, "step", "train/loss", label="train")
     _plot(loss_axes, evals, "step", "val/loss", "o-", label="val")
     loss_axes.set(xlabel="optimizer step", ylabel="loss", title="Loss")
@@ -109,14 +99,14 @@ def _plot(axes: Any, records: list[dict[str, Any]], x: str, y: str, *style: str,
 
 def predictions(shown: Predicted, run_dir: Path) -> Path:
     """The `shown` test images, captioned (wrong ones in red), as one image: faster than plots."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     images = shown.images.permute(0, 2, 3, 1)  # N×H×W×C, as images are drawn
     columns, (height, width, channels) = 8, images.shape[1:]
     rows = -(-len(images) // columns)
     tall, wide = height + height // 2, width + 4  # a cell: the image, its caption under it, margins
     sheet = torch.full((rows * tall, columns * wide, channels), 255, dtype=torch.uint8)
-    figure = plt.figure(figsize=(columns * 1.4, columns * 1.4 * sheet.shape[0] / sheet.shape[1]))
+    figure = Figure(figsize=(columns * 1.4, columns * 1.4 * sheet.shape[0] / sheet.shape[1]))
     axes = figure.add_axes((0, 0, 1, 1))
     style = {"ha": "center", "va": "top", "fontsize": 7}
     for i, (image, (text, wrong)) in enumerate(zip(images, shown.captions, strict=True)):
@@ -131,8 +121,5 @@ def predictions(shown: Predicted, run_dir: Path) -> Path:
 
 
 def _save(figure: Figure, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
-    plt.close(figure)
     return path

@@ -1,5 +1,5 @@
-"""`trainer.profile=N`: a torch.profiler trace of N training steps, one file per rank in `profile/`
-of the run folder, for TensorBoard or Perfetto."""
+"""`trainer.profile=N`: a torch.profiler trace of the run's first N training steps, after one to
+warm up, one file per rank in `profile/` of the run folder, for TensorBoard or Perfetto."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from src.engine.core.state import Parts, Progress
 
 
 class Profiler(Hook):
-    """Traces the run's first `steps` training steps, after one to warm up."""
-
     def __init__(self, steps: int) -> None:
         self.steps = steps
 
@@ -22,15 +20,12 @@ class Profiler(Hook):
     def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-        activities = [ProfilerActivity.CPU]
-        if run.process.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
+        cuda = run.process.device.type == "cuda"
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
         trace = tensorboard_trace_handler(str(run.run_dir / "profile"), f"rank{run.process.rank}")
+        steps = schedule(wait=0, warmup=1, active=self.steps, repeat=1)
         with profile(
-            activities=activities,
-            schedule=schedule(wait=0, warmup=1, active=self.steps, repeat=1),
-            on_trace_ready=trace,
-            record_shapes=True,
+            activities=activities, schedule=steps, on_trace_ready=trace, record_shapes=True
         ) as self.profile:
             yield
 

@@ -11,8 +11,7 @@ from tqdm import tqdm
 from src.engine.core.context import Hook, Run
 from src.engine.core.state import Progress
 
-# One process draws the bar: a thread lock will do. tqdm's default multiprocessing lock is reported
-# as a leaked semaphore by a DDP worker, which ends without teardown (launch.exit_worker).
+# One process draws: a thread lock will do (tqdm's multiprocessing lock leaks in a DDP worker).
 tqdm.set_lock(threading.RLock())
 
 
@@ -20,12 +19,10 @@ class ProgressBar(Hook):
     """tqdm's bar over the epoch's steps, from where a resumed epoch stands."""
 
     def epoch_started(self, run: Run, progress: Progress) -> None:
+        step, steps = progress.epoch_step, run.data.steps_per_epoch
+        hidden = not (run.process.is_main and sys.stdout.isatty())
         self.bar = tqdm(
-            initial=progress.epoch_step,
-            total=run.data.steps_per_epoch,
-            leave=False,
-            desc=f"epoch {progress.epoch}",
-            disable=not (run.process.is_main and sys.stdout.isatty()),
+            initial=step, total=steps, desc=f"epoch {progress.epoch}", leave=False, disable=hidden
         )
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:

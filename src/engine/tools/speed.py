@@ -28,47 +28,35 @@ class Speed(Hook):
     def epoch_started(self, run: Run, progress: Progress) -> None:
         if run.process.device.type == "cuda":  # this epoch's peak, not an earlier evaluation's
             torch.cuda.reset_peak_memory_stats(run.process.device)
-        self.started, self.first_step = time.perf_counter(), progress.epoch_step
+        self.started, self.skipped = time.perf_counter(), progress.epoch_step * run.data.batch_size
 
     def epoch_ended(self, run: Run, progress: Progress) -> None:
-        data = run.data
+        data, device = run.data, run.process.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - self.started
         # The images of the global batches trained: the epoch's last one may be smaller.
-        images = min(progress.epoch_step * data.batch_size, data.size("train"))
-        images -= self.first_step * data.batch_size
-        speed = throughput(self.started, images, run.process.device)
-        speed["memory/state_mb"] = state_mb(self.parts, run.strategy.local)
+        images = min(progress.epoch_step * data.batch_size, data.size("train")) - self.skipped
+        speed = {
+            "time/train_s": seconds,
+            "time/images_per_s": images / seconds,
+            "memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if device.type == "cuda":
+            speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        speed["memory/state_mb"] = state = state_mb(self.parts, run.strategy.local)
+        peak = speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"])
         log.info(
-            "epoch %d trained in %.2f s (%.0f images/s), peak memory %.0f MB (weights, gradients "
-            "and optimizer state %.1f MB)",
-            progress.epoch,
-            speed["time/train_s"],
-            speed["time/images_per_s"],
-            speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"]),
-            speed["memory/state_mb"],
+            f"epoch {progress.epoch} trained in {seconds:.2f} s ({images / seconds:.0f} images/s), "
+            f"peak memory {peak:.0f} MB (weights, gradients and optimizer state {state:.1f} MB)"
         )
         if run.logger:
             run.logger.log({**progress.record, **speed})
 
 
-def throughput(started: float, images: int, device: torch.device) -> dict[str, float]:
-    """The epoch's training time and speed, and the peak memory."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - started
-    speed = {
-        "time/train_s": seconds,
-        "time/images_per_s": images / seconds,
-        "memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
-    if device.type == "cuda":
-        speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-    return speed
-
-
 def state_mb(parts: Parts, local: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """MiB of this rank's weights, gradients and optimizer state (1/N of them under FSDP)."""
-    parameters = list(parts.model.parameters())
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parts.model.parameters() if p.grad is not None]
     moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    tensors = map(local, chain(parameters, grads, moments))
+    tensors = map(local, chain(parts.model.parameters(), grads, moments))
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20

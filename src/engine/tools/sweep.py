@@ -1,8 +1,7 @@
 """A sweep's `summary.csv`: each job's overrides, best validation value of `checkpoint.monitor`,
 test metrics, wall time and status, best first; printed as a table at the end. A Hydra callback
 (conf/config.yaml); each job leaves `job.json` in its folder, so jobs that launchers ran in other
-processes (submitit) count too.
-"""
+processes (submitit) count too."""
 
 from __future__ import annotations
 
@@ -36,10 +35,14 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode.name != "MULTIRUN":
             return
+        try:  # the job's checkpoint.mode as training resolved it (a mode it refused: max)
+            mode = checkpoint_mode_of(config) or "max"
+        except UserError:
+            mode = "max"
+        # The same choice as training's best.pt, made again from the validations it logged.
+        best = Best(config.checkpoint.monitor, mode)
         folder = Path(config.hydra.runtime.output_dir)
         metrics = folder / "metrics.jsonl"
-        # The same choice as training's best.pt, made again from the validations it logged.
-        best = Best(config.checkpoint.monitor, _mode(config))
         # What its test logged; a job stopped before it has the table's two, empty.
         test = dict.fromkeys([f"test/{best.monitor.removeprefix('val/')}", "test/loss"])
         for line in metrics.read_text().splitlines() if metrics.is_file() else []:
@@ -47,29 +50,19 @@ class SweepSummary(Callback):
             if best.monitor in record:
                 best.update(record, record["epoch"])
             test.update({f"test/{name}": value for name, value in measured(record, "test").items()})
-        job = {
-            "job": config.hydra.job.num,
-            "overrides": " ".join(job_return.overrides or []),
-            "monitor": best.monitor,
-            "best": best.value,
-            "best_epoch": best.epoch,
-            "mode": best.mode,
-            **test,
-            "wall_s": round(time.monotonic() - self.started, 1),
-            "status": job_return.status.name.lower(),
-            "folder": str(folder),
-        }
+        job = {"job": config.hydra.job.num, "overrides": " ".join(job_return.overrides or [])}
+        job |= {"monitor": best.monitor, "best": best.value, "best_epoch": best.epoch}
+        job |= {"mode": best.mode, **test, "wall_s": round(time.monotonic() - self.started, 1)}
+        job |= {"status": job_return.status.name.lower(), "folder": str(folder)}
         (folder / "job.json").write_text(json.dumps(job))
         # Rewritten after every job: a sweep that stops on a failed job still has its summary,
         # and Hydra then skips on_multirun_end, so the table is printed on the way out instead.
-        sweep_dir = Path(config.hydra.sweep.dir)
-        _write(sweep_dir)
+        _write(Path(config.hydra.sweep.dir))
         if not self.printer:
-            self.printer = atexit.register(_print, sweep_dir)
+            self.printer = atexit.register(_print, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.printer:
-            atexit.unregister(self.printer)
+        atexit.unregister(_print)  # if a job registered it
         _print(Path(config.hydra.sweep.dir))
 
 
@@ -90,8 +83,7 @@ def _print(sweep_dir: Path) -> None:
 
 def _write(sweep_dir: Path) -> list[dict[str, Any]]:
     """summary.csv from the jobs' job.json files, the best by their monitor first; the rows."""
-    jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")]
-    jobs.sort(key=_rank)
+    jobs = sorted((json.loads(p.read_text()) for p in sweep_dir.glob("*/job.json")), key=_rank)
     # Every test metric any job logged (jobs of one sweep may run different tasks), the loss last.
     tests = {key for job in jobs for key in job if key.startswith("test/")}
     tests = sorted(tests, key=lambda key: (key == "test/loss", key))
@@ -103,17 +95,6 @@ def _write(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _rank(job: dict[str, Any]) -> tuple:
-    """Jobs with a best value first, the better first (by their checkpoint.mode); then the rest
-    (no validation split, or failed) in job order."""
-    value = job["best"]
-    if value is None:
-        return (1, 0.0, job["job"])
-    return (0, -value if job["mode"] == "max" else value, job["job"])
-
-
-def _mode(config: DictConfig) -> str:
-    """The job's checkpoint.mode, as training resolved it (a job whose mode it refused: max)."""
-    try:
-        return checkpoint_mode_of(config) or "max"
-    except UserError:
-        return "max"
+    """Jobs with a best value first, the better first (by their mode); the rest in job order."""
+    best, sign = job["best"], -1 if job["mode"] == "max" else 1
+    return (best is None, 0.0 if best is None else sign * best, job["job"])

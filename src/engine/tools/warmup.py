@@ -32,30 +32,23 @@ class WarmUp(Hook):
 
 def warm_up(run: Run, parts: Parts, step: int) -> None:
     """Train `trainer.warmup_steps` steps (at least 2) on an epoch's first batches and two on its
-    last (often smaller) one, evaluate once, then put back the weights, the optimizer, the scaler
-    and the random generators. What stays is what is slow the first time: compilation (per batch
-    shape), cuDNN's autotuning, CUDA graph capture, the allocator's pools. Logs its seconds."""
+    last, evaluate once, then put back the weights, optimizer, scaler and random generators."""
     started = time.perf_counter()
-    data, device = run.data, run.process.device
     undone = (run.strategy.unwrap(parts.model), parts.optimizer, parts.scaler)
-    saved = copy.deepcopy([part.state_dict() for part in undone])
-    generators = checkpoint.rng_state()
+    saved, rng = copy.deepcopy([part.state_dict() for part in undone]), checkpoint.rng_state()
     # Each batch shape at least twice: CUDA graph trees run a new graph once, then record it.
-    steps = min(max(run.trainer.warmup_steps, 2), data.steps_per_epoch)
-    last = data.steps_per_epoch - 1  # the last batch, often smaller: another shape
+    steps = min(max(run.trainer.warmup_steps, 2), run.data.steps_per_epoch)
+    last = run.data.steps_per_epoch - 1  # the last batch, often smaller: another shape
     parts.model.train()
-    for batch in chain(
-        islice(data.train_batches(1), steps),
-        data.train_batches(1, skip=last),
-        data.train_batches(1, skip=last),
-    ):
+    twice_last = (run.data.train_batches(1, skip=last) for _ in range(2))
+    for batch in chain(islice(run.data.train_batches(1), steps), *twice_last):
         train_step(run, parts, batch)
-    evaluate(run, parts.model, "val" if data.size("val") else "test")  # its metrics dropped
+    evaluate(run, parts.model, "val" if run.data.size("val") else "test")  # its metrics dropped
     for part, state in zip(undone, saved, strict=True):
         part.load_state_dict(state)
-    checkpoint.set_rng_state(generators)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    checkpoint.set_rng_state(rng)
+    if run.process.device.type == "cuda":
+        torch.cuda.synchronize(run.process.device)
     seconds = time.perf_counter() - started
     log.info("Warm-up (compilation, autotuning; its steps undone): %.2f s", seconds)
     if run.logger:
