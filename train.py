@@ -32,10 +32,11 @@ def main(cfg: DictConfig) -> float | None:
         return equivalence.check(cfg)
     if launch.under_torchrun():  # a worker: failures go to torchrun's error file
         return launch.run_worker(train, cfg)
-    parallel = read_settings(cfg).parallel  # the config's values checked before any work
+    settings = read_settings(cfg)  # the config's values checked before any work
+    parallel = settings.parallel
     if launch.starts_workers_here(parallel.in_group):  # ddp, fsdp: the processes start here
         return launch.start_workers(train, cfg, parallel.processes(cfg.device))
-    return train(cfg)
+    return train(cfg, settings=settings)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ run: below them only typed settings and built objects travel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import warnings
@@ -23,7 +24,15 @@ from torch import nn
 
 from src.engine import checkpoint, storage
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
+from src.engine.config import (
+    Checkpointing,
+    Config,
+    DataKeys,
+    ScheduleKeys,
+    Settings,
+    Start,
+    Trainer,
+)
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
 from src.engine.core.task import CONTRACT, preflight
@@ -63,15 +72,17 @@ def read_settings(cfg: DictConfig) -> Settings:
             f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
             f"data's input_shape, or set {err.full_key}=... yourself."
         ) from None
-    data = config["data"]
+    data, checked = config["data"], OmegaConf.get_type(cfg) is Config  # composed on the schema
     if not isinstance(data.get("root", ""), str):  # a dataset's folder of files
         refuse("data.root", data["root"], "the path of the data's folder")
-    start = typed(Start, {f.name: config[f.name] for f in dataclasses.fields(Start)}, "")
+    start = typed(Start, {f.name: config[f.name] for f in dataclasses.fields(Start)}, "", checked)
     shared = {f.name for f in dataclasses.fields(DataKeys)}
-    data = typed(DataKeys, {key: v for key, v in data.items() if key in shared}, "data")
-    typed(ScheduleKeys, {"interval": config["scheduler"].get("interval")}, "scheduler")
-    checkpoint, task = typed(Checkpointing, config["checkpoint"], "checkpoint"), build_task(cfg)
-    trainer, strategy = typed(Trainer, config["trainer"], "trainer"), build_strategy(cfg.parallel)
+    data = typed(DataKeys, {key: v for key, v in data.items() if key in shared}, "data", checked)
+    interval = {"interval": config["scheduler"].get("interval")}
+    typed(ScheduleKeys, interval, "scheduler", checked)
+    checkpoint = typed(Checkpointing, config["checkpoint"], "checkpoint", checked)
+    trainer = typed(Trainer, config["trainer"], "trainer", checked)
+    task, strategy = build_task(cfg), build_strategy(cfg.parallel)
     return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, config)
 
 
@@ -304,10 +315,17 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         ) from None
 
 
-def typed(cls: type, values: dict[str, Any], section: str) -> Any:
-    """The dataclass `cls` built from `values`: OmegaConf checks each against its field's type,
-    `cls.__post_init__` its range and choices. A value of the wrong type, a key `cls` has no field
-    for, or a field a fork declared without a type is one sentence naming it."""
+@functools.cache
+def schema(cls: type) -> DictConfig:
+    """`cls` as OmegaConf checks values against it (made once: a merge copies it)."""
+    return OmegaConf.structured(cls)
+
+
+def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False) -> Any:
+    """The dataclass `cls` built from `values`: OmegaConf checks each against its field's type
+    (unless Hydra `checked` them as it composed), `cls.__post_init__` its range and choices. A
+    value of the wrong type, a key `cls` has no field for, or a field a fork declared without a
+    type is one sentence naming it."""
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
             shared = any("ClassVar" in str(vars(k).get("__annotations__", {}).get(name))
@@ -322,7 +340,9 @@ def typed(cls: type, values: dict[str, Any], section: str) -> Any:
                     every_rank=True,
                 )
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+        return (
+            cls(**values) if checked else OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
+        )
     except ConfigKeyError as err:
         raise UserError(
             f"{section}.{err.key} is not a key of {section}: {cls.__name__} ({where(cls)}) has "

@@ -23,6 +23,7 @@ from src.engine.build import (
     logged,
     read_settings,
 )
+from src.engine.config import Settings
 from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
 from src.engine.errors import on_every_rank
@@ -34,14 +35,17 @@ from src.engine.tools import plots
 log = logging.getLogger("train")
 
 
-def train(cfg: DictConfig, run_dir: Path | None = None) -> float | None:
+def train(
+    cfg: DictConfig, run_dir: Path | None = None, settings: Settings | None = None
+) -> float | None:
     """One training run (or evaluation) in this process: alone, or one rank of a process group.
 
     Returns the best validation value of `checkpoint.monitor` (what a sweeper optimises), or
-    None without a validation split. `run_dir` defaults to the folder Hydra made for the run.
+    None without a validation split. `run_dir` defaults to the folder Hydra made for the run;
+    `settings`, to those of `cfg`.
     """
     with on_every_rank():  # under torchrun, one rank per machine tells a mistake found here
-        settings = read_settings(cfg)  # the config's values, checked before any work
+        settings = settings or read_settings(cfg)  # the config's values, checked before any work
         process = settings.parallel.setup(settings.device, settings.trainer)  # or a group's rank
     # Where a signal outside training (SIGTERM, Ctrl-C) finds the run, and what is kept.
     when = "before training; nothing was saved" if settings.train else "during the evaluation"
