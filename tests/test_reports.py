@@ -142,7 +142,9 @@ def test_curves_of_a_regression_plot_the_loss_and_the_mae(tmp_path):
     assert loss[2][1] == [[2.0, 0.5], [4.0, 0.25], [6.0, 0.5 / 3]]  # val/loss at its steps
     assert mae == ("Mean absolute error", "mean absolute error",
                    [[[1.0, 0.4], [2.0, 0.3], [3.0, 0.35]], [[2.0, 0.32]]])  # fmt: skip
-    path = plots.curves(run_records("mae", [0.4, 0.3, 0.35], 0.32), tmp_path / "curves.png")
+    path = plots.save(
+        plots.curves_figure(run_records("mae", [0.4, 0.3, 0.35], 0.32)), tmp_path / "curves.png"
+    )
     assert Image.open(path).size == (1000, 400)
 
 
@@ -164,7 +166,7 @@ def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test):
     assert found[0] == ("Loss", "loss", [trained, []]) and len(trained) == 6
     assert found[1:] == ([("Mean absolute error", "mean absolute error", [[], [[2.0, 0.32]]])]
                          if test else [])  # fmt: skip
-    path = plots.curves(records, tmp_path / "curves.png")
+    path = plots.save(plots.curves_figure(records), tmp_path / "curves.png")
     assert Image.open(path).size == ((1000 if test else 500), 400)
 
 
@@ -186,7 +188,7 @@ def test_predictions_are_the_tasks_captions_under_the_images(tmp_path, data):
     assert torch.equal(shown.images, images.cpu()) and shown.images.dtype == torch.uint8
     assert shown.captions == Classification().captions(outputs, labels, data.class_names)
     write_metrics(tmp_path, run_records("acc", [0.5, 0.8, 0.7], 0.75))
-    assert plots.draw(tmp_path, shown, data) == [tmp_path / "curves.png",
+    assert plots.draw(tmp_path, shown) == [tmp_path / "curves.png",
                                                  tmp_path / "predictions.png"]  # fmt: skip
     assert Image.open(tmp_path / "predictions.png").size[0] == 8 * 140  # 8 columns
 
@@ -206,5 +208,5 @@ def test_nothing_is_predicted_for_a_task_or_data_without_captions(tmp_path, data
     monkeypatch.setattr(data, "is_image", False, raising=False)
     assert plots.predict(MODEL, data, Classification()) is None
     write_metrics(tmp_path, run_records("mae", [0.4, 0.3, 0.35], 0.32))
-    assert plots.draw(tmp_path, None, data) == [tmp_path / "curves.png"]
+    assert plots.draw(tmp_path, None) == [tmp_path / "curves.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]

@@ -311,7 +311,7 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
 def test_a_refused_picture_leaves_nothing_partial(tmp_path):
     records = [{"step": 1, "epoch": 1, "train/loss": 2.0}]
     with file_size_limit(1000), pytest.raises(OSError) as refused:
-        plots.curves(records, tmp_path / "curves.png")
+        plots.save(plots.curves_figure(records), tmp_path / "curves.png")
     fault = storage.Fault.of(refused.value)
     assert fault == (str(tmp_path / "curves.png"), errno.EFBIG, "File too large", True)
     assert list(tmp_path.iterdir()) == []

@@ -156,7 +156,7 @@ def build_run(
     hooks += [UnwrittenMetrics(), NonFinite(), StopSignals()]  # checked in this order
     if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
         hooks.append(drift.DriftGuard(every))
-    hooks += [ProgressBar(), Speed()] + ([Profiler(trainer.profile)] if trainer.profile else [])
+    hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
     run = Run(process, settings, data, logger, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
         drift.check_first_batch(data, process)

@@ -221,6 +221,13 @@ class Checkpointer:
         """What stops the run when the storage refused a write: with the checkpoint still intact."""
         return storage.stopped(fault, self.run_dir, step, self.kept)
 
+    def holding(self) -> str:
+        """What the run's checkpoints hold, for a sentence of what a stop keeps."""
+        if not self.policy.save:
+            return "checkpoint.save=false kept no weights"
+        test = "test one with train=false ckpt_path=..."
+        return f"{self.run_dir}/checkpoints holds its weights ({test})"
+
     def _save(self, path: Path, step: int) -> None:
         """Write `path` atomically from the main process, every rank waiting (its parts' states
         are collectives); a refused write stops every rank, saying what is intact."""

@@ -27,7 +27,7 @@ from src.engine.config import Settings
 from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
 from src.engine.errors import on_every_rank
-from src.engine.guards.signals import during_the_test, interrupted, signals_interrupt
+from src.engine.guards.signals import Interrupts
 from src.engine.launch import shared_run_dir
 from src.engine.parallel import teardown
 from src.engine.tools import plots
@@ -50,24 +50,26 @@ def train(
     # Where a signal outside training (SIGTERM, Ctrl-C) finds the run, and what is kept.
     when = "before training; nothing was saved" if settings.train else "during the evaluation"
     try:
-        run_dir = shared_run_dir(process, run_dir)
-        log.info("Run folder: %s", run_dir)
-        with storage.held(run_dir, process), signals_interrupt():  # one run per folder
-            resumed, weights = checkpoint.starting_point(settings, run_dir, process)
-            with logged(cfg, settings, run_dir, process, resumed) as logger:
-                run = build_run(cfg, settings, process, logger, run_dir)
-                model = build_model(cfg, run, weights)
-                if settings.train:
-                    parts, progress, run.checkpointer = build_parts(cfg, run, model, resumed)
-                    fitted = fit(run, parts, progress)
-                    result = fitted.best and fitted.best.value
-                    when = during_the_test(fitted.step, run.checkpointer)  # for a signal now
-                else:  # train=false: the checkpoint's weights, on the validation split too
-                    fitted, result = evaluate_weights(run, model, weights)
-                test(run, model, fitted)  # once, at the end
-                plots.finish(run, model, fitted.step, settings.config["plots"])
-    except KeyboardInterrupt:
-        raise interrupted(process, when) from None
+        with Interrupts(process, when) as interrupts:
+            run_dir = shared_run_dir(process, run_dir)
+            log.info("Run folder: %s", run_dir)
+            with storage.held(run_dir, process):  # one run per folder
+                resumed, weights = checkpoint.starting_point(settings, run_dir, process)
+                with logged(cfg, settings, run_dir, process, resumed) as logger:
+                    run = build_run(cfg, settings, process, logger, run_dir)
+                    model = build_model(cfg, run, weights)
+                    if settings.train:
+                        parts, progress, run.checkpointer = build_parts(cfg, run, model, resumed)
+                        fitted = fit(run, parts, progress)
+                        result = fitted.best and fitted.best.value
+                        interrupts.when = (  # for a signal now
+                            f"after training ended at step {fitted.step}, during the test; "
+                            f"{run.checkpointer.holding()}"
+                        )
+                    else:  # train=false: the checkpoint's weights, on the validation split too
+                        fitted, result = evaluate_weights(run, model, weights)
+                    test(run, model, fitted)  # once, at the end
+                    plots.finish(run, model, fitted.step, settings.config["plots"])
     finally:
         teardown()
     return result

@@ -104,6 +104,15 @@ def agree(process: Process, fault: Fault | None) -> Fault | None:
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
+def stop_together(
+    process: Process, fault: Fault | None, run_dir: Path, step: int | None, kept: tuple | None
+) -> None:
+    """Every rank stops, with `stopped`'s message, if the storage refused one rank a file."""
+    told = fault and str(stopped(fault, run_dir, step, kept))
+    if told := next((t for t in process.all_gather_object(told) if t), None):
+        raise StorageFull(told)
+
+
 def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -> StorageFull:
     """The stop message: what failed, what is `kept` (last checkpoint, step), how to resume."""
     at = "" if step is None else f" at step {step}"

@@ -87,9 +87,13 @@ class Hooks(list[Hook]):
             at += len(own)
         return sums[0] / run.process.world_size
 
-    def stopping(self, run: Run) -> Hook | None:
-        """The first hook that asks training to stop after this step, if any."""
-        return next((hook for hook in self if hook.wants_stop(run)), None)
+    def stopping(self, run: Run) -> bool:
+        """Whether a hook asks training to stop after this step."""
+        return any(hook.wants_stop(run) for hook in self)
+
+    def stop(self, run: Run, progress: Progress) -> NoReturn:
+        """End training as the first hook that asks it to stop does."""
+        next(hook for hook in self if hook.wants_stop(run)).stop(run, progress)
 
 
 @dataclass

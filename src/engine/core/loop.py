@@ -46,8 +46,8 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
             best = progress.best  # None without a validation split
             improved = bool(best and best.update(progress.metrics, progress.epoch))
             saver.epoch_done(progress.step, improved)
-            if stopping := hooks.stopping(run):
-                stopping.stop(run, progress)
+            if hooks.stopping(run):
+                hooks.stop(run, progress)
             if progress.epoch_step == run.data.steps_per_epoch:
                 progress.epoch, progress.epoch_step = progress.epoch + 1, 0
     log.info("Training ended: %s.", why)
@@ -86,9 +86,9 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
                 run.logger.log({**progress.record, "train/loss": mean, "lr": lr, **norm})
         if progress.step == trainer.max_steps or progress.epoch_step == data.steps_per_epoch:
             break  # the epoch's end validates and saves
-        if stopping := hooks.stopping(run):
+        if hooks.stopping(run):
             save(run, parts, progress)
-            stopping.stop(run, progress)
+            hooks.stop(run, progress)
         if run.checkpointer.due(progress.step):
             save(run, parts, progress)
     if progress.epoch_step == data.steps_per_epoch:

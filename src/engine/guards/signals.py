@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from src.engine.checkpoint import Checkpointer
 from src.engine.core.context import Hook, Run
 from src.engine.core.state import Parts, Progress
 from src.engine.errors import Stopped
@@ -61,11 +60,23 @@ def handling(handler: Callable[[int, Any], None], *signums: int) -> Iterator[Non
             signal.signal(s, before)
 
 
-def signals_interrupt() -> AbstractContextManager:
-    """Outside training, SIGTERM interrupts as Ctrl-C does (Python's main thread only gets them)."""
-    if threading.current_thread() is not threading.main_thread():
-        return nullcontext()
-    return handling(signal.default_int_handler, signal.SIGTERM)
+class Interrupts(AbstractContextManager):
+    """Outside training, SIGTERM interrupts as Ctrl-C does (Python's main thread only gets them),
+    and either ends the run with a sentence of where it was (`when`) and what is kept."""
+
+    def __init__(self, process: Process, when: str) -> None:
+        self.process, self.when, self.handling = process, when, nullcontext()
+        if threading.current_thread() is threading.main_thread():
+            self.handling = handling(signal.default_int_handler, signal.SIGTERM)
+
+    def __enter__(self) -> Interrupts:
+        self.handling.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: Any) -> None:
+        self.handling.__exit__(None, None, None)
+        if exc_type is KeyboardInterrupt:
+            raise interrupted(self.process, self.when) from None
 
 
 def interrupted(process: Process, when: str) -> Stopped:
@@ -73,12 +84,3 @@ def interrupted(process: Process, when: str) -> Stopped:
     if not process.is_main:
         sys.exit(1)  # quietly: rank 0 tells the user
     return Stopped(f"Stopped by a signal {when}.")
-
-
-def during_the_test(step: int, checkpointer: Checkpointer) -> str:
-    """Where a signal during the test finds a run that trained to `step`, and what is kept."""
-    kept = "checkpoint.save=false kept no weights"
-    if checkpointer.policy.save:
-        kept = f"{checkpointer.run_dir}/checkpoints holds its weights (test one with train=false "
-        kept += "ckpt_path=...)"
-    return f"after training ended at step {step}, during the test; {kept}"

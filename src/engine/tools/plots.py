@@ -45,22 +45,19 @@ def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
     # Every rank predicts: under FSDP a forward needs them all.
     shown = predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
     if pictures and run.process.is_main and not unwritten:
-        draws = lambda: run.logger.log_images(draw(run.run_dir, shown, run.data))  # noqa: E731
+        draws = lambda: run.logger.log_images(draw(run.run_dir, shown))  # noqa: E731
         unwritten = storage.attempt(draws)
-    if unwritten := storage.agree(run.process, unwritten or None):
-        kept = run.checkpointer and run.checkpointer.kept
-        raise storage.stopped(unwritten, run.run_dir, step, kept or None)
+    kept = run.checkpointer and run.checkpointer.kept
+    storage.stop_together(run.process, unwritten or None, run.run_dir, step, kept or None)
 
 
-def draw(run_dir: Path, shown: Predicted | None, data: Data) -> list[Path]:
+def draw(run_dir: Path, shown: Predicted | None) -> list[Path]:
     """Write curves.png into `run_dir`, and predictions.png where something is `shown`."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    pictures = [curves(records, run_dir / "curves.png")]
-    return pictures if shown is None else [*pictures, predictions(shown, run_dir)]
-
-
-def curves(records: list[dict[str, Any]], path: Path) -> Path:
-    return _save(curves_figure(records), path)
+    figures = {"curves.png": curves_figure(records)}
+    if shown is not None:
+        figures["predictions.png"] = predictions(shown)
+    return [save(figure, run_dir / name) for name, figure in figures.items()]
 
 
 def curves_figure(records: list[dict[str, Any]]) -> Figure:
@@ -97,7 +94,7 @@ def _plot(axes: Any, records: list[dict[str, Any]], x: str, y: str, *style: str,
     axes.plot([r[x] for r in shown], [r[y] for r in shown], *style, **options)
 
 
-def predictions(shown: Predicted, run_dir: Path) -> Path:
+def predictions(shown: Predicted) -> Figure:
     """The `shown` test images, captioned (wrong ones in red), as one image: faster than plots."""
     from matplotlib.figure import Figure
 
@@ -117,9 +114,9 @@ def predictions(shown: Predicted, run_dir: Path) -> Path:
     # cmap is for one channel: matplotlib draws RGB as it is.
     axes.imshow(sheet.squeeze(-1), cmap="gray", vmin=0, vmax=255, interpolation="nearest")
     axes.axis("off")
-    return _save(figure, run_dir / "predictions.png")
+    return figure
 
 
-def _save(figure: Figure, path: Path) -> Path:
+def save(figure: Figure, path: Path) -> Path:
     storage.write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     return path

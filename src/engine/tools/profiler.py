@@ -13,9 +13,6 @@ from src.engine.core.state import Parts, Progress
 
 
 class Profiler(Hook):
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
     @contextlib.contextmanager
     def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -23,7 +20,7 @@ class Profiler(Hook):
         cuda = run.process.device.type == "cuda"
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
         trace = tensorboard_trace_handler(str(run.run_dir / "profile"), f"rank{run.process.rank}")
-        steps = schedule(wait=0, warmup=1, active=self.steps, repeat=1)
+        steps = schedule(wait=0, warmup=1, active=run.trainer.profile, repeat=1)
         with profile(
             activities=activities, schedule=steps, on_trace_ready=trace, record_shapes=True
         ) as self.profile:
