@@ -1,8 +1,6 @@
 """Starting DDP workers (`elastic_launch`, what torchrun runs), each failure reported once in
 torchrun's error file; then the torchrun/Hydra plumbing, each workaround with its upstream issue."""
 
-from __future__ import annotations
-
 import importlib
 import json
 import logging.config
@@ -140,6 +138,10 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
             time.sleep(5.0)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         fail(str(err))
+    except SystemExit as err:  # a quiet end (a rank other than 0 stopped by a signal): no teardown
+        if isinstance(err.code, str):
+            print(err.code, file=sys.stderr)
+        exit_worker(0 if err.code is None else err.code if isinstance(err.code, int) else 1)
     except Exception:  # noqa: BLE001 - recorded with its traceback, for the launcher to show
         ErrorHandler().record_exception(sys.exc_info()[1])
     # Via the teardown, giving the launcher time to report a killed peer, often the crash's cause.
@@ -222,9 +224,8 @@ def check_rendezvous(init_method: str) -> None:
 
 
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
-    """torchrun's store (one for all restarts) under this attempt's prefix: an earlier one's keys
-    (gloo addresses) join a restarted group to dead processes (torch 2.14, pytorch/pytorch#135712;
-    can go when each restart has its own). The attempt: the agent's restart count, or the rank's."""
+    """torchrun's store (one for all restarts) under this attempt's prefix: an earlier one's gloo
+    addresses join a restarted group to dead processes (torch 2.14, pytorch/pytorch#135712)."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
@@ -257,10 +258,9 @@ def under_torchrun() -> bool:
 
 
 def exit_worker(status: int = 0) -> None:
-    """End a DDP worker with `status` (output flushed) without the interpreter's teardown: there,
-    with gloo, torch 2.14 can SIGABRT ("terminate called without an active exception"; 1 in 10 runs
-    of 3 ranks on 2 busy cores, never with this exit), a failure to torchrun: gloo's threads outlive
-    finalization (fix abandoned: pytorch/pytorch#179291); can go when a release destroys groups."""
+    """End a DDP worker with `status`, output flushed, without the teardown where torch 2.14's gloo
+    can SIGABRT ("terminate called without an active exception", 1 in 10 runs of 3 ranks on 2 busy
+    cores): its threads outlive finalization (pytorch/pytorch#179291); can go when that is fixed."""
     # On success, local rank 0 removes torchrun's temporary folder if only the anchor is in it.
     anchor = restart_anchor() if status == 0 and os.environ.get("LOCAL_RANK") == "0" else None
     folder = anchor.parents[1] if anchor else Path()  # {folder}/{run id}_{suffix}/run_dir
