@@ -1,7 +1,6 @@
-"""Where the data come from, named by `dataset:` in `conf/data/`: each class finds (or downloads)
-a dataset's files in `prepare()` (once per machine), reads a split as a `Dataset` of (input,
-target) in `split(name)` (one with `tensors()`, as `Tensors`, is handed over whole), then knows its
-`classes`; with `cache_path` and `fingerprint`, its samples are decoded once, into a cache file."""
+"""Where the data come from (`dataset:` in `conf/data/`): `prepare()` finds or downloads a dataset's
+files once per machine; `split(name)` reads a split as a `Dataset` of (input, target) (one with
+`tensors()` is taken whole), sets `classes`; `cache_path` and `fingerprint` cache the decoding."""
 
 from __future__ import annotations
 
@@ -215,13 +214,12 @@ class IDX(Torchvision):
         return find_idx_folder(self.root, self.torchvision_class) is not None
 
     def missing(self, reason: str) -> UserError:
-        where = f"{self.root} or {self.root / self.torchvision_class / 'raw'}"
         return UserError(
-            f"{self.torchvision_class} IDX files not found in {where}, and {reason}. "
-            "Put the four files (train/t10k images and labels, gzipped or not) there, point "
-            "data.root at a folder that holds them, or train on Fashion-MNIST offline: "
-            "apt-get install dataset-fashion-mnist, then "
-            "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
+            f"{self.torchvision_class} IDX files not found in {self.root} or "
+            f"{self.root / self.torchvision_class / 'raw'}, and {reason}. Put the four files "
+            "(train/t10k images and labels, gzipped or not) there, point data.root at a folder that"
+            " holds them, or train on Fashion-MNIST offline: apt-get install dataset-fashion-mnist,"
+            " then data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
         )
 
     def split(self, name: str) -> Tensors:

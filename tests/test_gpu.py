@@ -176,7 +176,7 @@ def test_dataparallel_replicas_draw_their_own_dropout_masks():
     torch.manual_seed(1)
     replicas = DP()
     replicas.ids = [0, 1]
-    replicas.seed(1)
+    replicas.seed_devices(1)
     masks = [torch.rand(8, device=f"cuda:{i}").cpu() for i in (0, 1)]
     assert not torch.equal(*masks)
 

@@ -83,7 +83,7 @@ class RandomState:
     def __init__(self, process: Process, seed: int, strategy: Strategy):
         self.process, self.continued = process, False
         seed_everything(seed + process.rank)
-        strategy.seed(seed)  # dp: each GPU's replica its own stream
+        strategy.seed_devices(seed)  # dp: each GPU's replica its own stream
 
     def state_dict(self) -> list[dict[str, Any]]:
         return self.process.all_gather_object(rng_state())  # every rank calls it

@@ -1,12 +1,8 @@
 """The config's schema: the engine's keys, each with its type, default and comment, written once.
 
-The dataclasses below are registered in Hydra's ConfigStore as `schema`, the first entry of
-conf/config.yaml's defaults: Hydra checks each value's type as it composes, and the YAML files in
-conf/ are presets that set values. Each section checks its ranges and choices where it is built
-(`__post_init__`); `read_settings` builds them from a composed config and checks the keys
-against each other. The keys of what a group names by `_target_` (a model, an optimizer, a
-parallel strategy, a dataset class) are that class's own parameters.
-"""
+Registered as `schema`, the first of conf/config.yaml's defaults (conf/'s YAML files are presets):
+Hydra checks the types as it composes, each section its ranges and choices as it is built. The keys
+of what a group names by `_target_` (a model, an optimizer, a dataset) are that class's own."""
 
 from __future__ import annotations
 
@@ -20,14 +16,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from src.engine import parallel
-from src.engine.errors import (
-    Checked,
-    UserError,
-    above,
-    least,
-    one_of,
-    refuse,
-)
+from src.engine.errors import Checked, UserError, above, least, one_of, refuse
 from src.engine.parallel.none import Single
 
 # Each precision's autocast dtype (None: none), and the dtype of the weights and float inputs.
@@ -43,44 +32,33 @@ class Trainer(Checked):
     section = "trainer"
     epochs: int = least(1, 1)  # passes over the training set
     max_steps: int | None = least(1, None, nullable=True)  # or stop after this many steps in all
-    # Write train/loss and train/grad_norm to metrics.jsonl (and wandb) every this many steps.
-    log_every_n_steps: int = least(1, 10)
-    # Split each process's share of a batch into this many micro-batches (less memory; the ranks
-    # all-reduce once, after the last).
-    accumulate_grad_batches: int = least(1, 1)
+    log_every_n_steps: int = least(1, 10)  # train/loss, grad_norm to metrics.jsonl every N steps
+    accumulate_grad_batches: int = least(1, 1)  # split each rank's batch into N micro-batches
     # null, or clip the gradients' global norm to this value before each optimizer step.
     gradient_clip_val: float | None = above(
         0, None, True, "(no clipping) or a norm above 0, e.g. 1.0"
     )
-    # Deterministic kernels only (torch.use_deterministic_algorithms): repeatable, maybe slower;
-    # false lets cuDNN autotune.
-    deterministic: bool = False
-    # float32 matmuls: highest (full float32) or high (TF32 where the GPU has it: faster, about
-    # 1e-3 relative).
+    deterministic: bool = False  # repeatable kernels, maybe slower; false lets cuDNN autotune
+    # float32 matmuls: highest (full float32) or high (TF32 where the GPU has it: faster, ~1e-3).
     matmul_precision: str = one_of("highest", "high", default="highest")
-    # 32 = float32; bf16 = bfloat16 autocast; 16 = float16 autocast with a gradient scaler;
-    # 64 = float64 weights, inputs and optimizer state (exact comparisons, slow).
+    # 32 = float32; bf16 or 16 = autocast (16 with a gradient scaler); 64 = float64 (exact, slow).
     precision: str = one_of("32", "bf16", "16", "64", default="32")
-    # Keep the model's (and the images') tensors channels-last: faster convolutions on GPUs.
-    channels_last: bool = False
+    channels_last: bool = False  # the model's and images' tensors channels-last: faster on GPUs
     # null, or trace this many training steps with torch.profiler into profile/ of the run folder.
     profile: int | None = least(1, None, nullable=True)
     # torch.compile the model: true, or a mode.
     compile: Any = one_of(True, False, *COMPILE_MODES, default=False,
                           said=f"true, false or a mode: {', '.join(COMPILE_MODES)}")  # fmt: skip
-    # Train this many steps (and evaluate once) before the clock starts, then undo them:
-    # compilation and autotuning happen there.
+    # Train this many steps (and evaluate once) to compile and autotune, then undo them.
     warmup_steps: int = least(0, 0)
     # null, or stop after this many validations in a row without improving checkpoint.monitor.
     early_stopping_patience: int | None = least(1, None, nullable=True)
-    # The weights the test split is evaluated on, once, after training: best (best.pt, by
-    # checkpoint.monitor) or last.
+    # The weights tested once after training: best (best.pt, by checkpoint.monitor) or last.
     test_weights: str = one_of("best", "last", default="best")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # What the precision means, read on every step: mixed precision's dtype (None for 32 and
-        # 64), the dtype of the weights, float inputs and optimizer state, the memory layout.
+        # Read on every step: the autocast dtype (None for 32 and 64), the weights' dtype, layout.
         self.autocast_dtype = PRECISIONS[self.precision]
         self.dtype = WEIGHTS.get(self.precision, torch.float32)
         self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
@@ -91,19 +69,14 @@ class Checkpointing(Checked):
     """`checkpoint:` what is saved, when, and what picks the best epoch."""
 
     section = "checkpoint"
-    # Write checkpoints/last.pt in the run folder after every epoch, and best.pt by the monitor.
-    save: bool = True
-    # null, or also write last.pt every this many optimizer steps within an epoch.
-    every_n_steps: int | None = least(1, None, nullable=True)
-    # The validation metric that picks best.pt, early stopping and a sweep's best job: any val/
-    # metric the task returns (val/acc, val/loss, ...).
+    save: bool = True  # write checkpoints/last.pt after every epoch, and best.pt by the monitor
+    every_n_steps: int | None = least(1, None, nullable=True)  # or also last.pt every N steps
+    # The val/ metric that picks best.pt, early stopping and a sweep's best job (val/acc, ...).
     monitor: str = "val/acc"
-    # max or min: whether a higher or a lower value of the monitor is better; null: as the task
-    # says (val/acc max, val/loss and val/mae min).
+    # max or min: whether a higher or lower monitor is better; null: as the task says (loss: min).
     mode: str | None = one_of("max", "min", None, default=None,
                               said="max, min or null (as the monitor says)")  # fmt: skip
-    # parallel=fsdp: each rank writes its own shards (torch.distributed.checkpoint) into a folder
-    # the .pt names, for models too large to gather on one rank.
+    # parallel=fsdp: each rank writes its shards into a folder .pt names (models too large for one).
     sharded: bool = False
 
     def __post_init__(self) -> None:
@@ -123,21 +96,17 @@ class Paths:
 
 @dataclass
 class DataKeys(Checked):
-    """`data:` the keys every dataset shares (src/engine/data.py's `Data`). A `conf/data/` file
-    sets them and adds its `dataset` class's own, which this section leaves open."""
+    """`data:` the keys every dataset shares (src/engine/data.py's `Data`), and the class's own."""
 
     section = "data"
     _target_: str = "src.engine.data.Data"  # holds the splits and batches them, for every dataset
     dataset: str = "???"  # the class that finds the files and reads them (src/datasets.py, yours)
     download: bool = False  # download the files when they are missing (where the class can)
     in_channels: int | None = least(1, None, nullable=True)  # an image's channels; null: found
-    image_size: int | None = least(
-        1, None, nullable=True
-    )  # an image's height and width; null: found
+    image_size: int | None = least(1, None, nullable=True)  # height and width; null: found
     num_classes: int | None = least(1, None, nullable=True)  # the models' outputs; null: found
     class_names: list[str] | None = None  # a name per label, for predictions.png (null: numbers)
-    # Pixel mean and std (0-1 scale), one number or one per channel, for normalisation; null:
-    # computed from the training images (and logged, to copy here).
+    # Pixel mean and std (0-1 scale), one or one per channel; null: computed from train, logged.
     mean: Any = None
     std: Any = None
     # true: random crop (padding image_size/8) and horizontal flip of each training image.
@@ -146,12 +115,10 @@ class DataKeys(Checked):
     test_batch_size: int = least(1, 1000)  # evaluation batch per process
     subset: int | None = least(1, None, nullable=True)  # or train on the first N images only
     val_size: Any = 5000  # images held out of train for validation, or a share (0.1); 0 = none
-    # Seeds which training images are held out: not `seed`, so every job and parallel mode
-    # validates on the same ones.
+    # Which images are held out (not `seed`: every job and parallel mode validates on the same).
     split_seed: int = least(0, 0)
     seed: int = least(0, "${seed}")  # the sample order: DistributedSampler's, from seed + epoch
-    # tensor = each split one tensor on the device, batches gathered by index; torch =
-    # DataLoader, one sample at a time (for data that does not fit in memory).
+    # tensor = each split one tensor on the device; torch = DataLoader (data too large for memory).
     loader: str = one_of("tensor", "torch", default="tensor")
     num_workers: int = least(0, 0)  # loader=torch: worker processes reading samples
     pin_memory: bool = False  # loader=torch: page-locked batches, copied to the GPU asynchronously
@@ -196,13 +163,10 @@ class Start(Checked):
     # Seeds the weights, the sample order and dropout (whose stream is seed + rank on each rank).
     seed: int = least(0, 1, said="a whole number, 0 or more")
     device: str = "auto"  # auto = cuda, then mps, then cpu; or name one: cpu, cuda, cuda:1, mps
-    # false: only evaluate the weights of ckpt_path, on the validation and test splits.
-    train: bool = True
-    # auto = continue from checkpoints/last.pt of the run folder if there is one; a checkpoint's
-    # path; null = start fresh.
+    train: bool = True  # false: only evaluate ckpt_path's weights, on the val and test splits
+    # auto = continue from the run folder's checkpoints/last.pt if any; a checkpoint; null = fresh.
     resume: Any = "auto"
-    # A checkpoint or a model's state_dict to take the first weights from (fine-tuning); the
-    # optimizer and the schedule start fresh.
+    # A checkpoint or state_dict to start the weights from (fine-tuning); the rest starts fresh.
     init_from: Any = None
     ckpt_path: Any = None  # with train=false: the checkpoint (or state_dict) to evaluate
 
@@ -223,13 +187,11 @@ class Start(Checked):
 
 @dataclass
 class Config(Start):
-    """The whole run: its own keys (`Start`'s), the engine's sections above, and the groups, each
-    a class (`_target_`) and its keys."""
+    """The whole run: its own keys (`Start`'s), the engine's sections and the groups of conf/."""
 
     task_name: str = "train"  # what kind of run this is; recorded with the run and given to wandb
     tags: list[str] = field(default_factory=list)  # labels of the run, recorded and given to wandb
-    # At the end, write curves.png and predictions.png in the run folder (and log them to wandb).
-    plots: bool = True
+    plots: bool = True  # at the end write curves.png, predictions.png (and log them to wandb)
     trainer: Trainer = field(default_factory=Trainer)
     checkpoint: Checkpointing = field(default_factory=Checkpointing)
     paths: Paths = field(default_factory=Paths)
@@ -244,9 +206,8 @@ class Config(Start):
 
 
 def register() -> None:
-    """`schema` in Hydra's ConfigStore, with the sections a group's file adds keys to open; and
-    each of the engine's strategies as `schema/parallel/<mode>`, its fields and `_target_`, which
-    `conf/parallel/<mode>.yaml` starts from."""
+    """`schema` in Hydra's ConfigStore (sections a group adds keys to open), and each strategy as
+    `schema/parallel/<mode>`, its fields and `_target_`, which conf/parallel/<mode>.yaml extends."""
     store = ConfigStore.instance()
     schema = OmegaConf.structured(Config)
     for open_section in ("data", "scheduler"):  # a dataset's, a scheduler class's own keys
@@ -322,9 +283,8 @@ def modes(task: Any) -> dict[str, str] | None:
 
 
 def checkpoint_mode(monitor: Any, mode: Any, known: dict[str, str] | None) -> Any:
-    """`checkpoint.mode`, or where it is null the way the task's `modes` say `monitor` is better
-    (val/loss: min, val/acc: max). A mode against the task's is refused: best.pt would keep the
-    worst epoch."""
+    """`checkpoint.mode`, or where null the task's `modes` for `monitor`; one against the task's is
+    refused (best.pt would keep the worst epoch)."""
     declared = (known or {}).get(str(monitor).removeprefix("val/"))
     if mode is None:
         return declared

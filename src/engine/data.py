@@ -1,8 +1,7 @@
-"""The data, batched for this process the same way for every dataset: a dataset class (yours, or
-`src/datasets.py`'s) reads each split as (input, target) pairs of any shape and dtype, and `Data`
-holds `train`, `val` (held out of the training split) and `test`. Only images (uint8 C×H×W) are
-normalised and augmented. `loader=tensor` holds each split as tensors on the device and gathers
-batches by index; `loader=torch` reads samples through a `DataLoader`; the batches are the same."""
+"""The data, batched for this process: a dataset class (yours, or `src/datasets.py`'s) reads each
+split as (input, target) pairs of any shape and dtype; `Data` holds `train`, `val` (held out of
+train) and `test`, and normalises and augments uint8 C×H×W images only. `loader=tensor` gathers
+batches by index from tensors on the device, `loader=torch` through a `DataLoader`: the same."""
 
 from __future__ import annotations
 
@@ -148,6 +147,7 @@ class Data:
         self.sampler = GlobalBatchSampler(
             self.size("train"), self.batch_size, self.rank, self.world_size, self.seed
         )
+        self.steps_per_epoch = len(self.sampler)
         self.normalise = self._normalisation() if self.is_image else self._as_dtype
         self.augmentation = None
         if self.augment:
@@ -240,10 +240,8 @@ class Data:
     def _refuse_image_keys(self) -> None:
         """Refuse image-only keys for other inputs, unless the dataset class takes them."""
         inputs = f"{kind(self.input_dtype, self.input_shape)} inputs"
-        given = {"mean": self.mean, "std": self.std}
-        unused = [
-            f"data.{k}={v}" for k, v in given.items() if v is not None and k not in self.takes
-        ]
+        keys = [k for k in ("mean", "std") if getattr(self, k) is not None and k not in self.takes]
+        unused = [f"data.{k}={getattr(self, k)}" for k in keys]
         if unused:
             normalise = "normalises" if len(unused) == 1 else "normalise"
             raise UserError(
@@ -321,10 +319,6 @@ class Data:
         inputs, targets = collate([held[i] for i in index.tolist()], self.empty_batch())
         return inputs.to(self.device), targets.to(self.device)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.sampler)
-
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, int]]:
         """This rank's (inputs, targets, global batch size); `skip`: batches a resume is past."""
         self.sampler.set_epoch(epoch, skip)
@@ -377,8 +371,7 @@ class Normalise:
         memory_format: torch.memory_format = torch.contiguous_format,
     ):
         self.mean, self.std, self.dtype, self.memory_format = mean, std, dtype, memory_format
-        # One number where every channel has the same: a scalar operation is faster than a
-        # broadcast one (about 5% of an MLP's epoch on a CPU).
+        # A scalar where the channels agree: faster than a broadcast (5% of an MLP's CPU epoch).
         self._mean, self._std = (
             v[0] if len(set(v)) == 1 else torch.tensor(v, device=device, dtype=dtype).view(-1, 1, 1)
             for v in (mean, std)

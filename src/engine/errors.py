@@ -1,22 +1,20 @@
-"""The one exception for mistakes a user can fix: bad config, missing data, wrong launcher; how
-a sentence quotes another error; and the classes a config group names, built with their
-mistakes told in one sentence."""
+"""The one exception for mistakes a user can fix (bad config, missing data, wrong launcher), how
+a sentence quotes another error, and config sections whose fields check their ranges as built."""
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import field, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 from hydra.errors import CompactHydraException
 
 
 class UserError(CompactHydraException):
-    """A mistake the user can fix. Hydra prints its message alone, without a traceback.
-
-    Raise it where the mistake enters, with one or two sentences that say what to do.
-    Real bugs keep raising ordinary exceptions, with their tracebacks. `every_rank`: each rank of
-    a DDP group raises this one alike (a check of the config they share, a verdict they gathered),
-    so one rank per machine tells it.
-    """
+    """A mistake the user can fix, told in a sentence or two on what to do: Hydra prints it alone,
+    without a traceback (bugs keep ordinary exceptions). `every_rank`: each rank of a DDP group
+    raises it alike (a shared config's check, a gathered verdict); one rank per machine tells it."""
 
     def __init__(self, message: str, *, every_rank: bool = False) -> None:
         super().__init__(message)
@@ -45,9 +43,6 @@ def first_line(err: BaseException) -> str:
 
 def where(cls: type) -> str:
     """The file a class is written in, relative to the working folder where it lies inside."""
-    import inspect
-    from pathlib import Path
-
     try:
         path = Path(inspect.getsourcefile(cls) or "")
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
@@ -62,8 +57,8 @@ def refuse(key: str, value: Any, allowed: str) -> None:
     raise UserError(f"{key}={value} is not allowed: use {allowed}.", every_rank=True)
 
 
-# A setting's range or choices, declared with its field (`epochs: int = least(1, 1)`) and checked
-# by `Checked` as the section is built: each says what it allows in the message that refuses it.
+# A setting's range or choices, declared with its field (`epochs: int = least(1, 1)`), checked by
+# `Checked` as the section is built; each says what it allows in the message that refuses it.
 def least(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
     """A field of at least `low` (and null where `nullable`)."""
     said = said or (f"at least {low}" if low else "0 or more")
@@ -87,25 +82,19 @@ def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:
 
 
 def _checked_field(default: Any, allows: Any, said: str, nullable: bool) -> Any:
-    from dataclasses import field
-
     return field(default=default, metadata={"allows": allows, "said": said, "null": nullable})
 
 
 class Checked:
-    """A section of the config (a dataclass) whose fields' ranges and choices are checked as it
-    is built, each named `<section>.<field>` in the sentence that refuses it."""
+    """A config section (a dataclass) whose fields' ranges and choices are checked as it's built."""
 
-    section: ClassVar[str] = ""
+    section: ClassVar[str] = ""  # a field is `<section>.<field>` in the sentence that refuses it
 
     def __post_init__(self) -> None:
-        from dataclasses import fields
-
         for f in fields(self):
             value = getattr(self, f.name)
             if "allows" not in f.metadata or str(value).startswith("${"):  # an interpolation
                 continue
-            allowed = f.metadata["null"] if value is None else f.metadata["allows"](value)
-            if not allowed:
+            if not (f.metadata["null"] if value is None else f.metadata["allows"](value)):
                 key = f"{self.section}.{f.name}" if self.section else f.name
                 refuse(key, value, f.metadata["said"])

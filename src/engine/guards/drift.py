@@ -4,10 +4,10 @@ changed outside the optimizer step would make each rank train its own model, unn
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from itertools import zip_longest
 
 import torch
@@ -37,9 +37,8 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def digest(tensor: torch.Tensor) -> str:
     """A hash of dtype, shape and elements: unlike `fingerprint`, it tells another order apart."""
     bits = tensor.detach().cpu().contiguous()
-    bits = torch.view_as_real(bits) if bits.is_complex() else bits
     head = f"{bits.dtype} {list(bits.shape)}".encode()
-    return hashlib.sha256(head + bits.view(BITS[bits.element_size()]).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(head + bits.flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def differing(process: Process, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -115,10 +114,9 @@ class DriftGuard(Hook):
     def __init__(self, every: int | str) -> None:
         self.every = every
 
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
         self.model = parts.model
-        yield
+        return nullcontext()
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         if isinstance(self.every, int) and progress.step % self.every == 0:

@@ -1,10 +1,7 @@
 """The parallel modes, one strategy each, and the `Process` a strategy sets up (this rank: its
-device, its collectives).
-
-A strategy is a dataclass whose fields are its mode's keys (`conf/parallel/<mode>.yaml` names it
-by `_target_`); whatever differs between modes is one of its methods, so the loop, the checkpoint
-and the data ask it, never the mode's name. `Strategy` is one process on one device; every other
-mode overrides what it changes.
+device, its collectives). A strategy's fields are its mode's keys (`conf/parallel/<mode>.yaml`);
+what differs between modes is one of its methods, so the loop, the checkpoint and the data ask it,
+never the mode's name. `Strategy` is one process on one device; other modes override what differs.
 """
 
 from __future__ import annotations
@@ -19,20 +16,21 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from src.engine.errors import Checked, UserError
+from src.engine.parallel.devices import one_device
 
 
 @dataclass(frozen=True)
 class Process:
-    """Where this process stands: its rank among the ranks of a process group (if any), its
-    device. The collectives do nothing outside a group."""
+    """Where this process stands: its rank in a process group (if any) and its device."""
 
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    in_group: bool = False  # one rank of a process group: the collectives talk to the others
+    in_group: bool = False  # one rank of a process group; outside one the collectives do nothing
 
     @property
     def is_main(self) -> bool:
@@ -95,7 +93,7 @@ class Strategy(Checked):
     shards_checkpoints: ClassVar[bool] = False
     drift_every: ClassVar[int | str | None] = None  # the drift guard's checks (ddp's key)
     syncs_batchnorm: ClassVar[bool] = False  # takes parallel.sync_batchnorm=true
-    sync_batchnorm: bool = False  # DDP only (nn.SyncBatchNorm): see conf/parallel/ddp.yaml
+    sync_batchnorm: bool = False  # DDP only: BatchNorm statistics over all ranks' shares (CUDA)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,8 +113,6 @@ class Strategy(Checked):
 
     def setup(self, device: str, trainer: Any) -> Process:
         """This process, on `device` (auto: the best this machine has)."""
-        from src.engine.parallel.devices import one_device
-
         return Process(device=one_device(device, trainer, self.name))
 
     def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
@@ -125,6 +121,8 @@ class Strategy(Checked):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what `wrap` made of it."""
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
         return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
     def evaluated(self, model: nn.Module) -> nn.Module:
@@ -132,15 +130,14 @@ class Strategy(Checked):
         return model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        """Backward passes that keep this rank's gradients to itself: the micro-batches before
-        the last of an accumulated step."""
+        """Backward passes keeping gradients on this rank: a step's micro-batches but its last."""
         return nullcontext()
 
     def scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
         """float16's loss scaler (disabled: a no-op)."""
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
-    def seed(self, seed: int) -> None:
+    def seed_devices(self, seed: int) -> None:
         """Seed what this mode draws random numbers on beyond the default generators."""
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -155,22 +152,19 @@ class Strategy(Checked):
         """The plain model's whole `state_dict` (on the main process; every rank calls it)."""
         return self.unwrap(model).state_dict()
 
-    def load_model_state(
-        self, model: nn.Module, state: dict[str, torch.Tensor], process: Process
-    ) -> None:
+    def load_model_state(self, model: nn.Module, state: dict, process: Process) -> None:
         """Load the whole `state_dict` the main process holds ({} on the others) on every rank."""
         model = self.unwrap(model)
         if process.is_main:
             model.load_state_dict(state)
         process.broadcast_tensors(model.state_dict().values())
 
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict:
         """`optimizer.state_dict()` as one process's optimizer holds it."""
         return optimizer.state_dict()
 
-    def load_optimizer_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
+    def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict) -> None:
+        """Load what `optimizer_state` gave."""
         optimizer.load_state_dict(state)
 
 
@@ -187,9 +181,8 @@ def strategies() -> list[type[Strategy]]:
     found = []
     for module in pkgutil.iter_modules(__path__):
         classes = vars(importlib.import_module(f"{__name__}.{module.name}")).values()
-        found += [c for c in classes if isinstance(c, type) and issubclass(c, Strategy)
-                  and c.__module__.endswith(f".{c.name}")]  # fmt: skip
-    return found
+        found += [c for c in classes if isinstance(c, type) and issubclass(c, Strategy)]
+    return [c for c in found if c.__module__.endswith(f".{c.name}")]
 
 
 def compiled(model: nn.Module, trainer: Any) -> nn.Module:
@@ -197,8 +190,7 @@ def compiled(model: nn.Module, trainer: Any) -> nn.Module:
     if not trainer.compile:
         return model
     mode = None if trainer.compile is True else trainer.compile
-    # CUDA graphs record one graph per batch shape: static shapes, each compiled in the warm-up,
-    # rather than a dynamic-shape recompile inside the first timed epoch.
+    # CUDA graphs record one per batch shape: static shapes, compiled in the warm-up, not mid-epoch.
     return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
 
 

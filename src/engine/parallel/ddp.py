@@ -25,9 +25,7 @@ class DDP(GroupStrategy):
     bucket_cap_mb: float = above(0, 25)  # MiB of gradients all-reduced together in one bucket
     gradient_as_bucket_view: bool = False  # gradients alias the all-reduce buckets (less memory)
     static_graph: bool = False  # promise the same parameters are used every step (optimisations)
-    sync_batchnorm: bool = False  # BatchNorm statistics over all ranks' shares (CUDA only)
-    # The drift guard, comparing the ranks' parameters: eval = before each validation and save;
-    check_sync_every_n_steps: Any = "eval"  # N = also every N steps; null = never
+    check_sync_every_n_steps: Any = "eval"  # when the drift guard compares the ranks' parameters
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,9 +61,6 @@ class DDP(GroupStrategy):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
         )
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return super().unwrap(model.module if isinstance(model, DistributedDataParallel) else model)
 
     def evaluated(self, model: nn.Module) -> nn.Module:
         """The inner model: DDP's forward may broadcast buffers, a hang for uneven evaluations."""

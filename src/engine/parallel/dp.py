@@ -45,10 +45,7 @@ class DP(Strategy):
         device = torch.device("cuda", self.ids[0])  # DataParallel's: the model's, the outputs'
         return nn.DataParallel(model.to(device), device_ids=self.ids, output_device=device)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return super().unwrap(model.module if isinstance(model, nn.DataParallel) else model)
-
-    def seed(self, seed: int) -> None:
+    def seed_devices(self, seed: int) -> None:
         """Replicas draw their own dropout masks, as DDP's ranks (manual_seed seeds GPUs alike)."""
         for i, index in enumerate(self.ids[1:], start=1):
             torch.cuda.default_generators[index].manual_seed(seed + i)

@@ -1,8 +1,7 @@
-"""parallel=fsdp: FSDP2's `fully_shard`. Each rank holds 1/N of every parameter, gradient and
-optimizer state, and gathers a unit's weights for its forward and backward only. Checkpoints stay
-plain (one process's, gathered onto rank 0), so they load into every mode; `checkpoint.sharded=true`
-writes each rank's part with DCP (`torch.distributed.checkpoint`) instead. FSDP and DCP are
-imported where used: 0.75 s on every other mode's start."""
+"""parallel=fsdp: FSDP2's `fully_shard`, each rank holding 1/N of every parameter, gradient and
+optimizer state, gathering a unit's weights for its forward and backward only. Checkpoints stay
+plain (gathered onto rank 0) and load into every mode; with `checkpoint.sharded=true` each rank
+writes its part with DCP. FSDP and DCP are imported where used: 0.75 s on other modes' start."""
 
 from __future__ import annotations
 

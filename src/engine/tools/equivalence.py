@@ -1,8 +1,7 @@
 """`python train.py debug=equivalence`: does DDP (or FSDP) train your config as one process does?
-It trains `debug.steps` steps with the engine's `fit` from the same weights and batches in up to
-four layouts (1 process, the reference; micro-batches; 2 processes; both), dropout off, in float64
-where rounding cannot pass for a difference (debug.precision=train: in the config's precision), and
-exits 1 naming the likely causes where one differs."""
+It trains `debug.steps` steps with `fit` from the same weights and batches in up to four layouts
+(1 process, the reference; micro-batches; 2 processes; both), dropout off, in float64 (or the
+config's precision: debug.precision=train), and exits 1 naming likely causes where one differs."""
 
 from __future__ import annotations
 
@@ -33,11 +32,10 @@ from src.engine.parallel.devices import pick_device
 log = logging.getLogger("equivalence")
 
 PROCESSES = 2
-# Float rounding: sums in another order (processes' shares, micro-batches) differ in their last
-# bits, and training carries that on. Over 20 Fashion-MNIST steps on the CPU: the CNN within 3e-7
-# in float32 and 4.2e-16 in float64, a small ViT with Adam 1.4e-13 in float64 (8.8e-5 in float32);
-# real differences (BatchNorm on half a batch, randomness) 7e-2 or more. bfloat16, float16 and TF32
-# round at 4e-3, 5e-4 and 1e-3 per operation: a wide bound (ranks that drift apart fail anyway).
+# Sums in another order (processes' shares, micro-batches) round apart, and training carries it on:
+# 20 Fashion-MNIST CPU steps: the CNN within 3e-7 in float32, 4.2e-16 in float64, a small ViT with
+# Adam 8.8e-5 and 1.4e-13; real differences (BatchNorm on half a batch, randomness) 7e-2 or more.
+# bfloat16, float16, TF32 round 4e-3, 5e-4, 1e-3 per operation: a wide bound (drifting ranks fail)
 FLOAT64, FLOAT32, LOWER_PRECISION = 1e-9, 1e-5, 1e-2
 ZERO_GRADIENT = 1e-6  # of the largest: a 0 one's rounding (float32's is 1.2e-7 of the terms)
 # A loss difference that first passes the tolerance at this many times its largest before: a near
@@ -118,11 +116,10 @@ def check(cfg: DictConfig) -> None:
             f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
         )
     within = {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's")
-    changes = f"parallel={mode} and trainer.accumulate_grad_batches change"
-    changes = changes if micro else f"parallel={mode} changes"
+    changes = " and trainer.accumulate_grad_batches change" if micro else " changes"
     log.info(
         f"Equivalent: every layout trains this config as one process does, within {within} "
-        f"rounding (tolerance {tolerance:.0e}): {changes} only the speed."
+        f"rounding (tolerance {tolerance:.0e}): parallel={mode}{changes} only the speed."
     )
 
 
@@ -216,8 +213,7 @@ def group_layouts(cfg: DictConfig, run_dir: Path) -> list[Trace]:
 def train_layouts(cfg: DictConfig, run: Run) -> list[Trace]:
     """This process's layouts: whole batches, then micro-batches (`debug.micro_batches`)."""
     weights = checkpoint.find_weights(run.settings, run.process)  # init_from, where there is one
-    micro = cfg.debug.micro_batches
-    return [train_layout(cfg, run, weights, k) for k in [1] + ([micro] if micro else [])]
+    return [train_layout(cfg, run, weights, k) for k in (1, cfg.debug.micro_batches) if k]
 
 
 def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -> Trace:
@@ -403,7 +399,6 @@ def likely_causes(
                 f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
                 "some code changes weights outside the optimizer step, on some ranks only"
             )
-    # The first batch's gradients twice with one seed and once with another.
     first, again, other = (gradients(*probed, seed) for seed in (0, 0, 1))
     if not all(torch.equal(a, b) for a, b in zip(first, again, strict=True)):
         causes.append(
@@ -417,10 +412,7 @@ def likely_causes(
         )
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
-    if rounding := zero_gradients(reference, where):
-        causes.append(rounding)
-    if course := loss_course(differ, rows, tolerance):
-        causes.append(course)
+    causes += filter(None, [zero_gradients(reference, where), loss_course(differ, rows, tolerance)])
     return causes or [
         f"none this check can see; the largest weight difference is in {where} ({worst})"
     ]
@@ -434,8 +426,7 @@ def zero_gradients(reference: Trace, where: str | None) -> str | None:
     largest = max(g.max().item() for g in gradients.values())
     # Exactly 0 is the same in every layout, and the optimizer does not move it.
     noise = {n: int(((g > 0) & (g <= ZERO_GRADIENT * largest)).sum()) for n, g in gradients.items()}
-    found = [name for name, count in noise.items() if count]
-    if not found:
+    if not (found := [name for name, count in noise.items() if count]):
         return None
     named = ", ".join(f"{n} ({noise[n]} of {gradients[n].numel()})" for n in found[:5])
     there = f"; the largest weight difference is in {where}" if where in found else ""

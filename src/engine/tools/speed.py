@@ -37,11 +37,8 @@ class Speed(Hook):
         seconds = time.perf_counter() - self.started
         # The images of the global batches trained: the epoch's last one may be smaller.
         images = min(progress.epoch_step * data.batch_size, data.size("train")) - self.skipped
-        speed = {
-            "time/train_s": seconds,
-            "time/images_per_s": images / seconds,
-            "memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
+        speed = {"time/train_s": seconds, "time/images_per_s": images / seconds}
+        speed["memory/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if device.type == "cuda":
             speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         speed["memory/state_mb"] = state = state_mb(self.parts, run.strategy.local)

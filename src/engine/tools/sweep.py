@@ -1,7 +1,6 @@
-"""A sweep's `summary.csv`: each job's overrides, best validation value of `checkpoint.monitor`,
-test metrics, wall time and status, best first; printed as a table at the end. A Hydra callback
-(conf/config.yaml); each job leaves `job.json` in its folder, so jobs that launchers ran in other
-processes (submitit) count too."""
+"""A sweep's `summary.csv` (each job's overrides, best validation value of `checkpoint.monitor`,
+test metrics, wall time, status; best first), printed as a table at the end. A Hydra callback
+(conf/config.yaml): each job leaves `job.json`, so jobs run in other processes (submitit) count."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ LAST = ["wall_s", "status", "folder"]
 
 
 class SweepSummary(Callback):
-    printer = None  # the exit hook that prints the table if the sweep stops on a failure
-
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.monotonic()
 
@@ -58,8 +55,8 @@ class SweepSummary(Callback):
         # Rewritten after every job: a sweep that stops on a failed job still has its summary,
         # and Hydra then skips on_multirun_end, so the table is printed on the way out instead.
         _write(Path(config.hydra.sweep.dir))
-        if not self.printer:
-            self.printer = atexit.register(_print, Path(config.hydra.sweep.dir))
+        atexit.unregister(_print)  # registered once, however many jobs end in this process
+        atexit.register(_print, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         atexit.unregister(_print)  # if a job registered it
