@@ -45,16 +45,6 @@ class Tensors(Dataset):
         return self.inputs, self.targets
 
 
-def check_shape(name: str, **asked_and_had: tuple[int | None, int]) -> None:
-    """Refuse a data.image_size or data.in_channels that a dataset of fixed-size images lacks."""
-    for key, (asked, has) in asked_and_had.items():
-        if asked not in (None, has):
-            raise UserError(
-                f"data.{key}={asked}, but {name} images have {has}. Leave it at {has}: only "
-                "data=image_folder resizes and converts images."
-            )
-
-
 def torchvision_dataset(name: str) -> type:
     """A class of torchvision.datasets by name (CIFAR10), or any class by its dotted path."""
     module, _, attribute = name.rpartition(".")
@@ -162,21 +152,34 @@ class Torchvision:
         return f"{self.torchvision_class} in {self.root}"
 
 
-class CIFAR10(Torchvision):
-    """CIFAR-10 (60,000 32×32 images, 10 classes) in `root/cifar-10-batches-py`, checksummed."""
+class FixedSize(Torchvision):
+    """Images of one shape (CIFAR10, IDX): data.image_size and data.in_channels may only agree."""
 
-    download_size = "170 MB"
+    default_class, channels, size, name = "", 0, 0, None  # each subclass's; name: for messages
 
     def __init__(
         self,
         root: str,
         download: bool = True,
-        torchvision_class: str = "CIFAR10",
+        torchvision_class: str | None = None,
         image_size: int | None = None,
         in_channels: int | None = None,
     ):
-        check_shape("CIFAR-10", image_size=(image_size, 32), in_channels=(in_channels, 3))
-        super().__init__(root, torchvision_class, download, in_channels=3)
+        torchvision_class = torchvision_class or self.default_class
+        fixed = {"image_size": (image_size, self.size), "in_channels": (in_channels, self.channels)}
+        for key, (asked, has) in fixed.items():
+            if asked not in (None, has):
+                raise UserError(
+                    f"data.{key}={asked}, but {self.name or torchvision_class} images have {has}. "
+                    f"Leave it at {has}: only data=image_folder resizes and converts images."
+                )
+        super().__init__(root, torchvision_class, download, in_channels=self.channels)
+
+
+class CIFAR10(FixedSize):
+    """CIFAR-10 (60,000 32×32 images, 10 classes) in `root/cifar-10-batches-py`, checksummed."""
+
+    default_class, channels, size, name, download_size = "CIFAR10", 3, 32, "CIFAR-10", "170 MB"
 
     def missing(self, reason: str) -> UserError:
         return UserError(
@@ -194,21 +197,11 @@ class CIFAR10(Torchvision):
         return str(self.root / "cifar-10-batches-py")
 
 
-class IDX(Torchvision):
-    """An MNIST-style dataset's four IDX files (28×28 grey), in `root` or `root/<Class>/raw`."""
+class IDX(FixedSize):
+    """An MNIST-style dataset's four IDX files (28×28 grey; classes: the numbers), in `root` or
+    `root/<Class>/raw`."""
 
-    what, download_size = "IDX files", "70 MB"
-
-    def __init__(
-        self,
-        root: str,
-        download: bool = True,
-        torchvision_class: str = "MNIST",
-        image_size: int | None = None,
-        in_channels: int | None = None,
-    ):
-        check_shape(torchvision_class, image_size=(image_size, 28), in_channels=(in_channels, 1))
-        super().__init__(root, torchvision_class, download, in_channels=1)  # classes: the numbers
+    default_class, channels, size, what, download_size = "MNIST", 1, 28, "IDX files", "70 MB"
 
     def found(self) -> bool:
         return find_idx_folder(self.root, self.torchvision_class) is not None

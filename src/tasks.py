@@ -1,15 +1,13 @@
 """The template's two tasks, classification and regression, each with the contract of
 `src/engine/core/task.py`; a fork names its own by `_target_` in `conf/task/*.yaml`."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from src.engine.errors import UserError
+from src.engine.errors import UserError, refuse
 
 
 class Classification:
@@ -21,10 +19,7 @@ class Classification:
 
     def __init__(self, label_smoothing: float = 0.0):
         if not 0 <= label_smoothing < 1:
-            raise UserError(
-                f"task.label_smoothing={label_smoothing} is not allowed: use 0 (none) up to "
-                "below 1, e.g. 0.1."
-            )
+            refuse("task.label_smoothing", label_smoothing, "0 (none) up to below 1, e.g. 0.1")
         self.label_smoothing = label_smoothing
 
     def count(self, inputs: Tensor, targets: Tensor) -> int:
@@ -76,7 +71,7 @@ class Regression:
 
     def __init__(self, target: str = "target"):
         if target not in ("target", "input"):
-            raise UserError(f"task.target={target} is not allowed: use target or input.")
+            refuse("task.target", target, "target or input")
         self.target = target
 
     def _targets(self, inputs: Tensor, targets: Tensor) -> Tensor:

@@ -1,8 +1,5 @@
-"""What `src/engine/run.py` builds from the composed config: the settings (each section typed and
-checked, the task, the parallel mode's strategy), the logger, the data, the model (wrapped by its
-strategy), the optimizer, the schedule, the checkpoint's parts. With run.py it is the top of the
-run: below them only typed settings and built objects travel.
-"""
+"""What `src/engine/run.py` builds from the composed config: the typed settings, the logger, the
+data, the model, the optimizer, the schedule, the checkpoint's parts; below, only these travel."""
 
 from __future__ import annotations
 
@@ -22,17 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationKeyError, ValidationError
 from torch import nn
 
-from src.engine import checkpoint, storage
+from src.engine import checkpoint, config, storage
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import (
-    Checkpointing,
-    Config,
-    DataKeys,
-    ScheduleKeys,
-    Settings,
-    Start,
-    Trainer,
-)
+from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
 from src.engine.core.task import CONTRACT, preflight
@@ -65,25 +54,24 @@ def read_settings(cfg: DictConfig) -> Settings:
                 "needs data.root=PATH, the folder that holds train/ and test/)."
             )
     try:  # also a model's keys that name the data's (${data.in_channels}) the data config lacks
-        config = OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except InterpolationKeyError as err:
         raise UserError(
             f"{err.full_key} takes the data's {err.key}, and data.dataset="
             f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
             f"data's input_shape, or set {err.full_key}=... yourself."
         ) from None
-    data, checked = config["data"], OmegaConf.get_type(cfg) is Config  # composed on the schema
+    data, checked = resolved["data"], OmegaConf.get_type(cfg) is config.Config  # on the schema
     if not isinstance(data.get("root", ""), str):  # a dataset's folder of files
         refuse("data.root", data["root"], "the path of the data's folder")
-    start = typed(Start, {f.name: config[f.name] for f in dataclasses.fields(Start)}, "", checked)
+    start = typed(Start, {f.name: resolved[f.name] for f in dataclasses.fields(Start)}, "", checked)
     shared = {f.name for f in dataclasses.fields(DataKeys)}
     data = typed(DataKeys, {key: v for key, v in data.items() if key in shared}, "data", checked)
-    interval = {"interval": config["scheduler"].get("interval")}
-    typed(ScheduleKeys, interval, "scheduler", checked)
-    checkpoint = typed(Checkpointing, config["checkpoint"], "checkpoint", checked)
-    trainer = typed(Trainer, config["trainer"], "trainer", checked)
+    typed(ScheduleKeys, {"interval": resolved["scheduler"].get("interval")}, "scheduler", checked)
+    checkpoint = typed(Checkpointing, resolved["checkpoint"], "checkpoint", checked)
+    trainer = typed(Trainer, resolved["trainer"], "trainer", checked)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
-    return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, config)
+    return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, resolved)
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -122,9 +110,8 @@ def build_strategy(node: Any) -> Strategy:
 def logged(
     cfg: DictConfig, settings: Settings, run_dir: Path, process: Process, resumed: tuple | None
 ) -> AbstractContextManager[MetricsLogger | None]:
-    """config_resolved.yaml written (and printed; every rank stops if the storage refuses it),
-    then the main process's logger: metrics.jsonl and the tracker `cfg.logger` names (wandb),
-    continuing the `resumed` run."""
+    """config_resolved.yaml written and printed, then the main process's logger (metrics.jsonl and
+    `cfg.logger`'s tracker, continuing `resumed`)."""
     path, text = run_dir / "config_resolved.yaml", OmegaConf.to_yaml(settings.config)
 
     def write() -> None:
@@ -132,11 +119,12 @@ def logged(
         storage.write_atomically(path, lambda file: file.write(text.encode()))
 
     if unwritten := storage.on_main(process, write):
-        raise storage.stopped(unwritten, run_dir, None, resumed and (resumed[0], step(resumed)))
+        at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint and step
+        raise storage.stopped(unwritten, run_dir, None, at)
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
-        config = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
-        return instantiate(cfg.logger, **config, _recursive_=False, _convert_="all")
+        given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
+        return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
     return open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None)
 
@@ -144,9 +132,7 @@ def logged(
 def build_run(
     cfg: DictConfig, settings: Settings, process: Process, logger: Any, run_dir: Path
 ) -> Run:
-    """The run's context: its data (for training checked: each rank's share of a batch splits as
-    asked, the ranks' shares of the first batch make it up, and it holds something to learn
-    from), its logger and its hooks, in the order they act at each of the loop's points."""
+    """The run's context: its data (checked for training), its logger, its hooks in order."""
     trainer = settings.trainer
     if settings.train:
         check_accumulation(trainer, cfg.data.batch_size, process.world_size)
@@ -165,9 +151,7 @@ def build_run(
 
 
 def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
-    """The model of `cfg.model`, the same on every rank, from the checkpoint `weights` if given,
-    checked to take the data's samples and give the task what it needs, wrapped by the parallel
-    mode's strategy."""
+    """The model of `cfg.model`: alike on every rank, from `weights` if given, checked, wrapped."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     configure_kernels(trainer)
     # The input's shape and the number of classes that the config leaves to the data to find.
@@ -191,9 +175,7 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
 def build_parts(
     cfg: DictConfig, run: Run, model: nn.Module, resumed: tuple | None
 ) -> tuple[Parts, Progress, Checkpointer]:
-    """The model's optimizer, schedule and float16's loss scaler, and the progress: fresh, or
-    continued from the `resumed` checkpoint (path, contents); and the checkpointer of these
-    parts, each of which saves and loads its own state."""
+    """The optimizer, schedule, scaler and progress (fresh or `resumed`), and their checkpointer."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
@@ -206,14 +188,13 @@ def build_parts(
     policy = run.settings.checkpoint
     best = Best(policy.monitor, policy.mode) if run.settings.validates else None
     progress = Progress(best=best, batch_size=data.batch_size, train_size=data.size("train"))
-    streams = checkpoint.RandomState(process, cfg.seed, strategy)  # or the checkpoint's, below
     parts = {
         "model": checkpoint.Weights(strategy.unwrap(model), strategy),
         "optimizer": checkpoint.OptimizerState(optimizer, model, strategy),
         "scheduler": schedule,
         "scaler": scaler,  # {} unless trainer.precision=16
         "progress": progress,
-        "rng": streams,
+        "rng": checkpoint.RandomState(process, cfg.seed, strategy),  # or the checkpoint's
     }
     if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
         parts["task"] = run.task
@@ -222,17 +203,13 @@ def build_parts(
     return Parts(model, optimizer, schedule, scaler), progress, saver
 
 
-def step(resumed: tuple[Path, dict]) -> int:
-    """The optimizer step of the checkpoint (path, contents) training resumes from."""
-    return resumed[1]["progress"]["step"]
-
-
 def check_schedule(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> None:
-    """Step the schedule of `cfg.scheduler` through its whole plan under a stand-in parameter
-    (about 3 µs a step): an error it meets partway (scheduler.step_size=0) stops the run before
-    training, in one sentence, not after an epoch."""
+    """Step `cfg.scheduler` through its whole plan on a stand-in parameter (3 µs a step): an error
+    partway (scheduler.step_size=0) stops the run in one sentence before training, not later."""
     every_step = cfg.scheduler.interval == "step"
-    planned = build_scheduler(cfg, [torch.zeros(1, requires_grad=True)], total_steps)
+    stand_in = [torch.zeros(1, requires_grad=True)]
+    optimizer = instantiated("optimizer", cfg.optimizer, stand_in, values=True)
+    planned = build_scheduler(cfg, optimizer, total_steps)
     plan = total_steps if every_step else -(-total_steps // steps_per_epoch)  # its epochs
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
         warnings.simplefilter("ignore", UserWarning)
@@ -250,10 +227,7 @@ def check_schedule(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> N
 
 
 def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int) -> Any:
-    """The scheduler of `cfg.scheduler` over `optimizer` (or the parameters of the config's
-    optimizer); `interval` is the loop's, and a `total_steps: null` is the run's steps."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = instantiated("optimizer", cfg.optimizer, optimizer, values=True)
+    """`cfg.scheduler` over `optimizer`; `interval` is the loop's, `total_steps: null` the run's."""
     spec = OmegaConf.to_container(cfg.scheduler, resolve=True)
     spec.pop("interval", None)
     if "total_steps" in spec and spec["total_steps"] is None:
@@ -262,8 +236,8 @@ def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int) -> Any:
 
 
 def check_accumulation(trainer: Trainer, batch_size: int, world_size: int) -> None:
-    """Refuse a split of each rank's share of a batch into more micro-batches than it has
-    samples (a smaller last batch is split into fewer)."""
+    """Refuse more micro-batches than a rank's share of a batch has samples (a smaller last batch
+    is split into fewer)."""
     share, parts = batch_size // world_size, trainer.accumulate_grad_batches
     if 0 < share < parts and batch_size % world_size == 0:  # else data.setup tells what is wrong
         raise UserError(
@@ -288,10 +262,8 @@ def configure_kernels(trainer: Trainer) -> None:
 
 
 def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwargs: Any) -> Any:
-    """`instantiate(node, ...)` for the config group `group`: a class that cannot be imported, a
-    key it does not take, or (with `values`) a value it refuses, as torch's optimizers and
-    schedulers check theirs, is one sentence naming the group; anything else keeps its
-    traceback."""
+    """`instantiate(node, ...)`: a class that cannot be imported, a key it does not take or (with
+    `values`) a value it refuses, as torch's optimizers do, is one sentence naming `group`."""
     try:
         return instantiate(node, *args, **kwargs)
     except InstantiationException as err:
@@ -315,17 +287,13 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         ) from None
 
 
-@functools.cache
-def schema(cls: type) -> DictConfig:
-    """`cls` as OmegaConf checks values against it (made once: a merge copies it)."""
-    return OmegaConf.structured(cls)
+# A dataclass as OmegaConf checks values against it, made once per class (a merge copies it).
+schema = functools.cache(OmegaConf.structured)
 
 
 def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False) -> Any:
-    """The dataclass `cls` built from `values`: OmegaConf checks each against its field's type
-    (unless Hydra `checked` them as it composed), `cls.__post_init__` its range and choices. A
-    value of the wrong type, a key `cls` has no field for, or a field a fork declared without a
-    type is one sentence naming it."""
+    """The dataclass `cls` from `values`, types checked by OmegaConf (unless Hydra `checked` them),
+    ranges by `cls.__post_init__`; a wrong type, unknown key or untyped field is one sentence."""
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
             shared = any("ClassVar" in str(vars(k).get("__annotations__", {}).get(name))

@@ -1,13 +1,6 @@
-"""Checkpoints: the run's parts, each saving and loading its own state, in one file that the main
-process writes atomically.
-
-A part has `state_dict()` and `load_state_dict()` (the `Stateful` protocol of
-`torch.distributed.checkpoint`): the model's weights, the optimizer, the schedule, the loss scaler,
-the progress, the random state, and a task that keeps state of its own. The file is
-`{name: part.state_dict()}` with the config and the wandb run: tensors and plain values only, so
-`torch.load(weights_only=True)` reads it anywhere, and the plain model's weights load into every
-mode.
-"""
+"""Checkpoints: the run's parts, each saving and loading its own state (the `Stateful` protocol), in
+one file `{name: part.state_dict()}` with the config and the wandb run, written atomically by the
+main process: tensors and plain values only, that `torch.load(weights_only=True)` reads anywhere."""
 
 from __future__ import annotations
 
@@ -43,8 +36,7 @@ SHARDS, SHARDED = "shards", ("model", "optimizer")
 
 
 class Weights:
-    """The model's part: the plain model's whole `state_dict` (gathered where a mode shards it),
-    loaded, checked, into the model before it is wrapped."""
+    """The model's part: the plain model's whole `state_dict`, checked, loaded before wrapping."""
 
     def __init__(self, model: nn.Module, strategy: Strategy, path: Path | str = "the checkpoint"):
         self.model, self.strategy, self.path = model, strategy, path
@@ -57,8 +49,7 @@ class Weights:
 
 
 class OptimizerState:
-    """The optimizer's part: its moments continue, its settings (lr, betas, ...) stay this
-    config's."""
+    """The optimizer's part: its moments continue, its settings (lr, betas) stay this config's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, strategy: Strategy):
         self.optimizer, self.model, self.strategy = optimizer, model, strategy
@@ -76,9 +67,8 @@ class OptimizerState:
 
 
 class RandomState:
-    """Every rank's random generators, seeded afresh (`seed` + rank: dropout draws its own masks
-    on each rank, and the strategy seeds what it draws on beyond) until a checkpoint's are loaded;
-    with another number of ranks, they start afresh."""
+    """Every rank's random generators: seeded `seed` + rank (each rank draws its own dropout masks;
+    the strategy seeds what it draws on beyond), or a checkpoint's saved by as many ranks."""
 
     def __init__(self, process: Process, seed: int, strategy: Strategy):
         self.process, self.continued = process, False
@@ -91,11 +81,9 @@ class RandomState:
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) != self.process.world_size:
             log.warning(
-                "The checkpoint was saved by %d processes and this run has %d: weights, "
-                "optimizer, schedule and sample order continue, dropout's random streams start "
-                "afresh.",
-                len(states),
-                self.process.world_size,
+                f"The checkpoint was saved by {len(states)} processes and this run has "
+                f"{self.process.world_size}: weights, optimizer, schedule and sample order "
+                "continue, dropout's random streams start afresh."
             )
             return
         set_rng_state(states[self.process.rank])
@@ -142,8 +130,7 @@ def load_parts(parts: dict[str, Any], state: dict[str, Any]) -> None:
 
 
 def check_part(name: str, part: Any) -> None:
-    """Before training: a fork's part (a task with state) gives a state that a checkpoint can
-    hold and that loads back into it; else one sentence naming its class and file."""
+    """Stop before training where a fork's part gives a state a checkpoint cannot hold or load."""
     about = f"{name} {type(part).__name__} ({where(type(part))})"
     try:
         buffer = io.BytesIO()
@@ -164,9 +151,8 @@ def check_part(name: str, part: Any) -> None:
 
 
 class Checkpointer:
-    """What is saved, and when: `last.pt` after every epoch (every `every_n_steps` steps too, and
-    when training stops early), `best.pt` when an epoch validates best by `monitor`. With
-    `save=false` nothing is written."""
+    """What is saved, and when: `last.pt` after every epoch, every `every_n_steps` steps and on an
+    early stop; `best.pt` when an epoch validates best by `monitor`; nothing with `save=false`."""
 
     def __init__(
         self,
@@ -229,8 +215,7 @@ class Checkpointer:
         return f"{self.run_dir}/checkpoints holds its weights ({test})"
 
     def _save(self, path: Path, step: int) -> None:
-        """Write `path` atomically from the main process, every rank waiting (its parts' states
-        are collectives); a refused write stops every rank, saying what is intact."""
+        """Write `path` atomically from the main process; every rank calls it (states gather)."""
         sharded = self.policy.sharded
         state = {n: p.state_dict() for n, p in self.parts.items() if not (sharded and n in SHARDED)}
         if sharded:
@@ -241,18 +226,21 @@ class Checkpointer:
             storage.write_atomically(path, lambda file: torch.save(state | self.metadata, file))
 
         self._on_main(write, step, path)
-        if sharded and self.process.is_main:
-            remove_unnamed_shards(path.parent)
+        if sharded and self.process.is_main:  # the shards that neither last.pt nor best.pt names
+            named = {shards_named(f) for f in (self.last, self.best) if f.is_file()}
+            for shards in path.parent.glob("shards-*"):
+                if shards.name not in named:
+                    shutil.rmtree(shards, ignore_errors=True)
 
     def _on_main(self, write: Any, step: int, path: Path | None = None) -> None:
         if fault := storage.on_main(self.process, write, path):
             raise self.stopped(fault, step)
 
     def _save_shards(self, path: Path, step: int) -> Path:
-        """checkpoint.sharded=true: every rank writes its shards of the model and the optimizer
-        into a new folder beside `path`, which the file then names; the previous file's folder
-        stays whole until the new file replaces it."""
+        """checkpoint.sharded=true: every rank writes its shards into a new folder beside `path`,
+        which the file names; the previous file's folder stays whole until the file is replaced."""
         process, model = self.process, self.strategy.unwrap(self.parts["model"].model)
+        optimizer = self.parts["optimizer"].optimizer
         shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
         # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
         # shards' writer takes an unsharded tensor from whichever rank it picks.
@@ -262,12 +250,9 @@ class Checkpointer:
             path.parent.mkdir(exist_ok=True)
             shards.mkdir(exist_ok=True)
 
-        def write() -> None:
-            self.strategy.save_shards(model, self.parts["optimizer"].optimizer, shards)
-
         # The folder first, on every rank: no rank waits in the writer's collectives for one
         # that could not make it.
-        for attempt in (make, write):
+        for attempt in (make, lambda: self.strategy.save_shards(model, optimizer, shards)):
             if fault := storage.agree(process, storage.attempt(attempt, shards)):
                 raise self.stopped(fault, step)
         return shards
@@ -285,8 +270,8 @@ class Checkpointer:
                     )
             except UserError as err:
                 error = str(err)
-        if errors := [e for e in process.all_gather_object(error) if e]:
-            raise UserError(errors[0])
+        if error := storage.agree(process, error):
+            raise UserError(error)
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
             load_shards(model, path, shards, self.strategy)
         else:
@@ -296,37 +281,26 @@ class Checkpointer:
 def starting_point(
     settings: Settings, run_dir: Path, process: Process
 ) -> tuple[tuple[Path, dict] | None, tuple[Path, dict] | None]:
-    """The checkpoint training continues from (its path and contents), and the one whose weights
-    the model starts from (that one, init_from, or ckpt_path to evaluate); None: fresh."""
-    resumed = find_resume(settings, run_dir, process)
-    if resumed:  # what this config changes from the checkpoint's: applied, or refused
-        check_changes(resumed[1].get("config"), settings.config, resumed[0])
-    return resumed, resumed or find_weights(settings, process)
-
-
-def find_resume(settings: Settings, run_dir: Path, process: Process) -> tuple[Path, dict] | None:
-    """The checkpoint training continues from, and its contents; None to start fresh.
-    `resume=auto` takes the run folder's last.pt if there is one; rank 0 decides for all."""
-    paths = settings.paths
-    if not settings.train or paths.resume is None:
-        return None
-    path = Path(paths.resume).expanduser()
-    if paths.resume == "auto":
+    """The checkpoint training continues from and the one the model's weights start from (that
+    one, init_from or ckpt_path), each (path, contents) or None; resume=auto: last.pt, if any."""
+    paths, path = settings.paths, None
+    if settings.train and paths.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
-        if (path := process.broadcast_object(last if last.is_file() else None)) is None:
-            return None
+        path = process.broadcast_object(last if last.is_file() else None)
+    elif settings.train and paths.resume is not None:
+        path = Path(paths.resume).expanduser()
+    if path is None:
+        return None, find_weights(settings, process)
     log.info("Resuming from %s", path)
     if paths.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
     state = load(path, process, settings.parallel)
-    progress = state["progress"]
-    progress["best"] = _best_pt_beside(path, progress, run_dir, process)
-    return path, state
+    state["progress"]["best"] = _best_pt_beside(path, state["progress"], run_dir, process)
+    check_changes(state.get("config"), settings.config, path)
+    return (path, state), (path, state)
 
 
-def _best_pt_beside(
-    path: Path, progress: dict[str, Any], run_dir: Path, process: Process
-) -> dict[str, Any] | None:
+def _best_pt_beside(path: Path, progress: dict, run_dir: Path, process: Process) -> dict | None:
     """The record of its best epoch that the checkpoint at `path` holds, with that epoch's best.pt
     in this run's folder (copied from beside `path`); without one, the best starts afresh."""
     best = progress.get("best")
@@ -347,8 +321,7 @@ def _best_pt_beside(
 
 
 def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | None:
-    """The file the model's first weights come from: `ckpt_path` to evaluate (train=false),
-    `init_from` to fine-tune; None for fresh weights."""
+    """The model's first weights (path, contents): ckpt_path with train=false, else init_from."""
     name = settings.paths.init_from if settings.train else settings.paths.ckpt_path
     if name is None:
         return None
@@ -356,20 +329,17 @@ def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | No
     return path, load(path, process, settings.parallel, weights_only=True)
 
 
-def load(
-    path: Path, process: Process, strategy: Strategy, weights_only: bool = False
-) -> dict[str, Any]:
-    """A checkpoint of this template, read by every rank into CPU memory (the optimizer then
-    places its state by PyTorch's rule: Adam's step counters stay on the CPU, costing no device
-    sync). With `weights_only`, anyone's bare `state_dict` too. Unreadable files stop every rank
-    with one sentence."""
+def load(path: Path, process: Process, strategy: Strategy, weights_only: bool = False) -> dict:
+    """A checkpoint of this template (with `weights_only`, anyone's bare `state_dict` too), read
+    by every rank into CPU memory: the optimizer then places its state by PyTorch's rule (Adam's
+    step counters stay on the CPU, costing no device sync). A bad file stops every rank."""
     error, state = None, None
     try:
         state = _checked(path, weights_only)
     except UserError as err:
         error = str(err)
-    if errors := [e for e in process.all_gather_object(error) if e]:
-        raise UserError(errors[0])
+    if error := storage.agree(process, error):
+        raise UserError(error)
     if SHARDS in state and not strategy.shards_checkpoints:
         raise UserError(
             f"{path} holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp "
@@ -381,22 +351,22 @@ def load(
 def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
     """The checkpoint at `path` (upgraded from an older layout), or a UserError."""
     state = _read(path)
-    tensors = isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())
-    if weights_only and tensors and state:  # anyone's bare state_dict
-        state = {"model": state}
+    if not isinstance(state, dict):  # no part of a checkpoint
+        state = {}
+    elif weights_only and state and all(torch.is_tensor(v) for v in state.values()):
+        state = {"model": state}  # anyone's bare state_dict
+    state = upgraded(state)
     needed = ("model",) if weights_only else PARTS
-    if isinstance(state, dict):
-        state = upgraded(state)
-        if SHARDS in state:  # checkpoint.sharded=true: beside the file
-            needed = tuple(key for key in needed if key not in SHARDED)
-            state[SHARDS] = str(path.parent / state[SHARDS])
-            if not (Path(state[SHARDS]) / ".metadata").is_file():
-                raise UserError(
-                    f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
-                    "incomplete: copy that folder beside the file with it, or use an intact "
-                    "checkpoint (best.pt is a second one)."
-                )
-    if missing := [key for key in needed if not isinstance(state, dict) or key not in state]:
+    if SHARDS in state:  # checkpoint.sharded=true: beside the file
+        needed = tuple(key for key in needed if key not in SHARDED)
+        state[SHARDS] = str(path.parent / state[SHARDS])
+        if not (Path(state[SHARDS]) / ".metadata").is_file():
+            raise UserError(
+                f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
+                "incomplete: copy that folder beside the file with it, or use an intact "
+                "checkpoint (best.pt is a second one)."
+            )
+    if missing := [key for key in needed if key not in state]:
         raise UserError(
             f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
             "Give a last.pt or best.pt from a run folder's checkpoints/"
@@ -406,8 +376,7 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
 
 
 def upgraded(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint written before its parts kept their own state (commit 77da666 and earlier,
-    where training stood in keys of its own) in this layout."""
+    """A checkpoint of commit 77da666 or earlier (training in keys of its own), in this layout."""
     if "progress" in state or "epoch" not in state:
         return state
     keys = ("epoch", "epoch_step", "step", "metrics", "best")
@@ -424,33 +393,29 @@ def _read(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if not (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(err))):
-            raise _corrupt(path, "not a file torch.save wrote") from None
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        detail = "not a file torch.save wrote"
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
+        unsafe, detail = None, str(err).strip().split(". ")[0]
+    if unsafe:
         raise UserError(
             f"{path} holds Python objects ({unsafe.group(1)}), not only tensors and plain values; "
             "torch.load(weights_only=True) refuses to unpickle them, as that can run arbitrary "
             "code. If you trust the file, load it yourself and save its model's state_dict()."
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        raise _corrupt(path, str(err).strip().split(". ")[0]) from None
-
-
-def _corrupt(path: Path, detail: str) -> UserError:
-    return UserError(
+        )
+    raise UserError(
         f"{path} is not a readable checkpoint: truncated or corrupt ({detail}). "
         "Use an intact copy (best.pt is a second one), or start without it."
     )
 
 
-def checked_weights(
-    model: nn.Module, path: Path | str, state: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def checked_weights(model: nn.Module, path: Path | str, state: dict) -> dict[str, torch.Tensor]:
     """The weights `state`, saved from any wrapper, named as the plain `model` names them and
     checked: another architecture and weights that are not finite stop, another dtype is told."""
     state = OrderedDict(state)
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state, prefix)
-    check_architecture(model, path, {key: tuple(t.shape) for key, t in state.items()})
+    check_saved(model, path, {key: (tuple(t.shape), t.dtype) for key, t in state.items()})
     bad = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:
         raise UserError(
@@ -459,27 +424,23 @@ def checked_weights(
             "from them or evaluated. Use an earlier checkpoint (best.pt is a second one), or "
             "start without it."
         )
-    note_conversion(model, path, {key: t.dtype for key, t in state.items()})
     return state
 
 
 def load_shards(model: nn.Module, path: Path, shards: str, strategy: Strategy) -> None:
-    """Load the model's weights from the `shards` folder the checkpoint at `path` names (every
-    rank calls it, and reads its own parts)."""
-    saved, plain = strategy.saved_tensors(Path(shards)), strategy.unwrap(model)
-    check_architecture(plain, path, {name: shape for name, (shape, _) in saved.items()})
-    note_conversion(plain, path, {name: dtype for name, (_, dtype) in saved.items()})
+    """Every rank loads its part of the model's weights from the checkpoint at `path`'s `shards`."""
+    check_saved(strategy.unwrap(model), path, strategy.saved_tensors(Path(shards)))
     strategy.load_shards(model, Path(shards))
 
 
-def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...]]) -> None:
-    """Stop with the first keys and shapes that differ between the `saved` tensors' shapes and
-    the model's own."""
-    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+def check_saved(model: nn.Module, path: Path | str, saved: dict[str, tuple]) -> None:
+    """Stop where the `saved` tensors' keys or shapes (name: shape, dtype) differ from the model's;
+    one line where float dtypes differ: loading converts them, and the optimizer's state."""
+    expected = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
     problems = [
-        f"{key} {_shape(saved[key])} in the file, {_shape(shape)} in the model"
-        for key, shape in expected.items()
-        if key in saved and saved[key] != shape
+        f"{key} {_shape(saved[key][0])} in the file, {_shape(shape)} in the model"
+        for key, (shape, _) in expected.items()
+        if key in saved and saved[key][0] != shape
     ]
     problems += [f"{key} missing from the file" for key in expected if key not in saved]
     problems += [f"{key} not in the model" for key in saved if key not in expected]
@@ -490,13 +451,8 @@ def check_architecture(model: nn.Module, path: Path, saved: dict[str, tuple[int,
             f"{path} holds weights of another architecture than {name} ({shown}). "
             "Choose the model= (and its sizes) it was saved with."
         )
-
-
-def note_conversion(model: nn.Module, path: Path, saved: dict[str, torch.dtype]) -> None:
-    """One line where the file's float weights are of another dtype than the model's (a float32
-    checkpoint continued in float64): loading converts them, and the optimizer's state."""
-    ours = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
-    theirs = {dtype for dtype in saved.values() if dtype.is_floating_point}
+    ours = {dtype for _, dtype in expected.values() if dtype.is_floating_point}
+    theirs = {dtype for _, dtype in saved.values() if dtype.is_floating_point}
     if theirs and ours and theirs != ours:
         file, here = (", ".join(sorted(str(d).removeprefix("torch.") for d in s))
                       for s in (theirs, ours))  # fmt: skip
@@ -508,21 +464,12 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def shards_named(path: Path) -> str | None:
-    """The shards folder the checkpoint at `path` names, if any (None for an unreadable file,
-    which is told when it is loaded)."""
+    """The shards folder the checkpoint at `path` names; None if none or unreadable (told later)."""
     try:
         state = _read(path)
     except UserError:
         return None
     return state.get(SHARDS) if isinstance(state, dict) else None
-
-
-def remove_unnamed_shards(folder: Path) -> None:
-    """Remove the shard folders that neither last.pt nor best.pt names any more."""
-    named = {shards_named(f) for f in (folder / "last.pt", folder / "best.pt") if f.is_file()}
-    for shards in folder.glob("shards-*"):
-        if shards.name not in named:
-            shutil.rmtree(shards, ignore_errors=True)
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -552,32 +499,27 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
             f"{optimizer[1]}: its state cannot continue in another optimizer. Resume with the "
             f"checkpoint's optimizer, or start from its weights with a fresh one: init_from={path}."
         )
-    interval = before.get("scheduler.interval"), after.get("scheduler.interval")
-    if interval[0] and interval[0] != interval[1]:
-        raise UserError(
-            f"scheduler.interval={interval[1]}, and {path} was trained with "
-            f"scheduler.interval={interval[0]}: where its schedule stands is counted in "
-            f"{interval[0]}s. Resume with scheduler.interval={interval[0]}, or start a new run "
-            f"from its weights: init_from={path}."
-        )
-    for key in FIXED:
-        if key in before and before[key] != after.get(key):
+    for key in ("scheduler.interval", *FIXED):
+        was, now = before.get(key), after.get(key)
+        if key in before and was != now:
+            why = (
+                f"where its schedule stands is counted in {was}s"
+                if key == "scheduler.interval"
+                else "it decides which images train and validate, in what order, so it cannot "
+                "change in a resumed run"
+            )
             raise UserError(
-                f"{key}={after.get(key)}, and {path} was trained with {key}={before[key]}: it "
-                "decides which images train and validate, in what order, so it cannot change in "
-                f"a resumed run. Resume with {key}={before[key]}, or start a new run from its "
-                f"weights: init_from={path}."
+                f"{key}={now}, and {path} was trained with {key}={was}: {why}. Resume with "
+                f"{key}={was}, or start a new run from its weights: init_from={path}."
             )
     for key in sorted(before.keys() | after.keys()):
         if key.split(".")[0] not in QUIET and before.get(key) != after.get(key):
             log.info("%s %s → %s from this config", key, before.get(key), after.get(key))
 
 
-def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+def _flat(config: Any, key: str = "") -> dict[str, Any]:
     """Each leaf of a nested config, by its dotted key."""
     if not isinstance(config, dict):
-        return {prefix: config}
-    leaves = {}
-    for key, value in config.items():
-        leaves.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else prefix + key))
-    return leaves
+        return {key: config}
+    nested = (_flat(value, f"{key}.{name}" if key else name) for name, value in config.items())
+    return {dotted: leaf for leaves in nested for dotted, leaf in leaves.items()}

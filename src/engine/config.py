@@ -1,6 +1,5 @@
-"""The config's schema: the engine's keys, each with its type, default and comment, written once.
-
-Registered as `schema`, the first of conf/config.yaml's defaults (conf/'s YAML files are presets):
+"""The config's schema, registered as `schema` (the first of conf/config.yaml's defaults; conf/'s
+YAML files are presets): the engine's keys, each with its type, default and comment, written once.
 Hydra checks the types as it composes, each section its ranges and choices as it is built. The keys
 of what a group names by `_target_` (a model, an optimizer, a dataset) are that class's own."""
 
@@ -19,9 +18,6 @@ from src.engine import parallel
 from src.engine.errors import Checked, UserError, above, least, one_of, refuse
 from src.engine.parallel.none import Single
 
-# Each precision's autocast dtype (None: none), and the dtype of the weights and float inputs.
-PRECISIONS = {"64": None, "32": None, "bf16": torch.bfloat16, "16": torch.float16}
-WEIGHTS = {"64": torch.float64}  # the others keep float32 weights (mixed precision autocasts)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -58,9 +54,9 @@ class Trainer(Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # Read on every step: the autocast dtype (None for 32 and 64), the weights' dtype, layout.
-        self.autocast_dtype = PRECISIONS[self.precision]
-        self.dtype = WEIGHTS.get(self.precision, torch.float32)
+        # Read on every step. bf16 and 16 autocast, their weights float32; 64 is float64 throughout.
+        self.autocast_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(self.precision)
+        self.dtype = torch.float64 if self.precision == "64" else torch.float32
         self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
 
 
@@ -71,8 +67,7 @@ class Checkpointing(Checked):
     section = "checkpoint"
     save: bool = True  # write checkpoints/last.pt after every epoch, and best.pt by the monitor
     every_n_steps: int | None = least(1, None, nullable=True)  # or also last.pt every N steps
-    # The val/ metric that picks best.pt, early stopping and a sweep's best job (val/acc, ...).
-    monitor: str = "val/acc"
+    monitor: str = "val/acc"  # the val/ metric that picks best.pt, early stopping, a sweep's best
     # max or min: whether a higher or lower monitor is better; null: as the task says (loss: min).
     mode: str | None = one_of("max", "min", None, default=None,
                               said="max, min or null (as the monitor says)")  # fmt: skip
@@ -136,14 +131,14 @@ class DataKeys(Checked):
         for key in ("mean", "std"):  # a number, or one per channel
             value = getattr(self, key)
             values = value if isinstance(value, list) else [value]
-            if value is not None and not all(is_number(v) for v in values):
+            if value is not None and not all(type(v) in (int, float) for v in values):  # no bool
                 refuse(f"data.{key}", value, "a number, one per channel ([0.5,0.5,0.5]) or null "
                        "(computed from the training images)")  # fmt: skip
             if key == "std" and value is not None and any(v <= 0 for v in values):
                 refuse("data.std", value, "the pixels' standard deviation, above 0 (null "
                        "computes it)")  # fmt: skip
         share = isinstance(self.val_size, float) and 0 < self.val_size < 1
-        if not (share or is_number(self.val_size, int) and self.val_size >= 0):
+        if not (share or type(self.val_size) is int and self.val_size >= 0):
             refuse("data.val_size", self.val_size, "0 (none) or more images, or a share (0.1)")
 
 
@@ -235,7 +230,7 @@ class Settings:
     config: dict[str, Any] = field(default_factory=dict)  # all of it, resolved: the run's record
 
     @property
-    def train(self) -> bool:
+    def train(self) -> bool:  # train, or only evaluate ckpt_path
         return self.paths.train
 
     @property
@@ -269,12 +264,6 @@ class Settings:
                 "checkpoint.save=true."
             )
         self.parallel.check(self)
-
-
-def is_number(value: Any, kind: type = float) -> bool:
-    """`value` is a number (of `kind`: int for a count); true is neither."""
-    kinds = (int,) if kind is int else (int, float)
-    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def modes(task: Any) -> dict[str, str] | None:

@@ -241,8 +241,7 @@ class Data:
         """Refuse image-only keys for other inputs, unless the dataset class takes them."""
         inputs = f"{kind(self.input_dtype, self.input_shape)} inputs"
         keys = [k for k in ("mean", "std") if getattr(self, k) is not None and k not in self.takes]
-        unused = [f"data.{k}={getattr(self, k)}" for k in keys]
-        if unused:
+        if unused := [f"data.{k}={getattr(self, k)}" for k in keys]:
             normalise = "normalises" if len(unused) == 1 else "normalise"
             raise UserError(
                 f"{' and '.join(unused)} {normalise} uint8 C×H×W images only, but {self.source} "
@@ -300,10 +299,8 @@ class Data:
 
     def empty_batch(self, device: torch.device | None = None) -> Batch:
         """Raw (inputs, targets) of no sample, with the data's sample shapes and dtypes."""
-        return (
-            torch.empty(0, *self.input_shape, dtype=self.input_dtype, device=device),
-            torch.empty(0, *self.target_shape, dtype=self.target_dtype, device=device),
-        )
+        shapes = ((self.input_shape, self.input_dtype), (self.target_shape, self.target_dtype))
+        return tuple(torch.empty(0, *shape, dtype=dtype, device=device) for shape, dtype in shapes)
 
     def size(self, split: str) -> int:
         """The number of samples of `split` (train, val or test)."""

@@ -1,7 +1,5 @@
 """The main process's metrics: `metrics.jsonl`, and wandb, whose failures only warn."""
 
-from __future__ import annotations
-
 import errno
 import json
 import logging

@@ -8,21 +8,13 @@ that the processes started for a job import it by name, however the job reached 
 (submitit and other launchers pickle `train.py`'s functions by value).
 """
 
-from __future__ import annotations
-
 import logging
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from src.engine import checkpoint, storage
-from src.engine.build import (
-    build_model,
-    build_parts,
-    build_run,
-    logged,
-    read_settings,
-)
+from src.engine.build import build_model, build_parts, build_run, logged, read_settings
 from src.engine.config import Settings
 from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
@@ -38,12 +30,9 @@ log = logging.getLogger("train")
 def train(
     cfg: DictConfig, run_dir: Path | None = None, settings: Settings | None = None
 ) -> float | None:
-    """One training run (or evaluation) in this process: alone, or one rank of a process group.
-
-    Returns the best validation value of `checkpoint.monitor` (what a sweeper optimises), or
-    None without a validation split. `run_dir` defaults to the folder Hydra made for the run;
-    `settings`, to those of `cfg`.
-    """
+    """One training run (or evaluation) in this process, alone or one rank of a process group:
+    the best validation value of `checkpoint.monitor` (what a sweeper optimises; None without a
+    validation split). `run_dir` defaults to Hydra's run folder, `settings` to those of `cfg`."""
     with on_every_rank():  # under torchrun, one rank per machine tells a mistake found here
         settings = settings or read_settings(cfg)  # the config's values, checked before any work
         process = settings.parallel.setup(settings.device, settings.trainer)  # or a group's rank

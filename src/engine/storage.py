@@ -99,8 +99,8 @@ def on_main(process: Process, write: Callable[[], Any], path: Path | None = None
     return agree(process, attempt(write, path) if process.is_main else None)
 
 
-def agree(process: Process, fault: Fault | None) -> Fault | None:
-    """The first rank's fault, on every rank, so all stop together (a collective: a barrier)."""
+def agree(process: Process, fault: Any) -> Any:
+    """The first rank's fault (or message), on every rank, so all stop together (a barrier)."""
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
@@ -108,8 +108,7 @@ def stop_together(
     process: Process, fault: Fault | None, run_dir: Path, step: int | None, kept: tuple | None
 ) -> None:
     """Every rank stops, with `stopped`'s message, if the storage refused one rank a file."""
-    told = fault and str(stopped(fault, run_dir, step, kept))
-    if told := next((t for t in process.all_gather_object(told) if t), None):
+    if told := agree(process, fault and str(stopped(fault, run_dir, step, kept))):
         raise StorageFull(told)
 
 

@@ -1,7 +1,5 @@
 """Evaluation: a split's metrics, exact whatever the ranks and the batch size; the test, once."""
 
-from __future__ import annotations
-
 import logging
 from typing import Any, NamedTuple
 
@@ -10,6 +8,7 @@ from torch import nn
 
 from src.engine.core.context import Run
 from src.engine.core.state import Best
+from src.engine.logger import measured
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +27,8 @@ def evaluate_and_log(
     """Evaluate on `split` (val or test); print the result after `about` (where training stands,
     which weights), and log it with `record` (its step, epoch, ...)."""
     metrics = evaluate(run, model, split)
-    shown = ", ".join(
-        f"{split} {key.split('/', 1)[1]} {value:.4f}"
-        for key, value in metrics.items()
-        if isinstance(value, float)
-    )
-    log.info("%s: %s", about, shown)
+    shown = (f"{split} {name} {value:.4f}" for name, value in measured(metrics, split).items())
+    log.info("%s: %s", about, ", ".join(shown))
     if run.logger:
         run.logger.log({**record, **metrics})
     return metrics
@@ -60,8 +55,7 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
         weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
         weights_epoch = best.epoch
     record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
-    about = f"Test on {weights}"
-    metrics = evaluate_and_log(run, model, "test", record, about)
+    metrics = evaluate_and_log(run, model, "test", record, f"Test on {weights}")
     if run.logger:
         chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
         run.logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
@@ -71,11 +65,8 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
 @torch.inference_mode()
 def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     """The task's metrics over the whole `split` (val or test), each sample counted once across
-    ranks, with the run's precision and memory layout.
-
-    The task's sums of each batch are added up in float64 on the CPU, then over the ranks, and
-    turned into metrics once: exact, whatever the world size and the batch size.
-    """
+    ranks: the task's sums of each batch added up in float64 on the CPU, then over the ranks, and
+    turned into metrics once, exact whatever the world size and the batch size."""
     task, process = run.task, run.process
     model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
@@ -92,9 +83,8 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
             sums[key] = sums.get(key, 0.0) + float64_sum(value)
     if process.in_group:  # a rank with no batch of this split knows none of the sums' names
         names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
-        sums = dict(
-            zip(names, process.sum_over_ranks([sums.get(n, 0.0) for n in names]), strict=True)
-        )
+        totals = process.sum_over_ranks([sums.get(n, 0.0) for n in names])
+        sums = dict(zip(names, totals, strict=True))
     return {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
 
 

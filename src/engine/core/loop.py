@@ -2,12 +2,9 @@
 `train_step` one optimizer step, the loop a PyTorch user knows (zero the gradients, forward, loss,
 backward, step) on this rank's share of a global batch, its loss a mean over the whole of it.
 
-The same code for every parallel mode: what differs is the strategy's (`run.strategy`). The
-guards and the tools are hooks called at the loop's named points (src/engine/core/context.py);
-what is saved and when is the checkpointer's to decide.
-"""
-
-from __future__ import annotations
+The same code for every parallel mode: what differs is the strategy's (`run.strategy`). The guards
+and the tools are hooks called at the loop's named points (src/engine/core/context.py); what is
+saved and when is the checkpointer's to decide."""
 
 import logging
 from contextlib import nullcontext
@@ -26,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
-    """Train for `trainer.epochs` epochs (or `trainer.max_steps` steps, or until early stopping)
-    from where `progress` stands, validating after each epoch (with a validation split) and
-    saving checkpoints. The test split is not touched here."""
+    """Train from where `progress` stands for `trainer.epochs` (or `max_steps`, or until early
+    stopping), validating (where a split is held out) and saving after each epoch; no test."""
     settings, saver, hooks = run.settings, run.checkpointer, run.hooks
     if why := why_finished(progress, run):
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)

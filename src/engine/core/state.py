@@ -45,14 +45,9 @@ class Best:
         if saved and (saved["monitor"], saved["mode"]) == (monitor, mode):
             return cls(**saved)
         if saved:
-            log.warning(
-                "The checkpoint picked its best epoch by %s (%s), this run by %s (%s): the best "
-                "so far starts afresh.",
-                saved["monitor"],
-                saved["mode"],
-                monitor,
-                mode,
-            )
+            log.warning("The checkpoint picked its best epoch by %s (%s), this run by %s (%s): "
+                        "the best so far starts afresh.", saved["monitor"], saved["mode"], monitor,
+                        mode)  # fmt: skip
         return cls(monitor, mode)
 
 
@@ -129,8 +124,7 @@ class Progress:
 
 
 class Schedule:
-    """The learning-rate scheduler, stepped after every optimizer step or after every epoch; a
-    part of the checkpoint."""
+    """The learning-rate scheduler, stepped after each optimizer step or epoch; checkpointed."""
 
     def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, every_step: bool = False):
         self.scheduler, self.every_step = scheduler, every_step

@@ -27,12 +27,11 @@ for targets the task cannot take) and `captions(outputs, targets, class_names)` 
 `predictions.png` writes under each input image; a task without it draws no predictions).
 """
 
-from __future__ import annotations
-
 import re
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from src.engine.errors import UserError, first_line
 
@@ -44,15 +43,11 @@ class Task(Protocol):
 
     modes: dict[str, str]
 
-    def count(self, inputs: torch.Tensor, targets: torch.Tensor) -> int | torch.Tensor: ...
+    def count(self, inputs: Tensor, targets: Tensor) -> int | Tensor: ...
 
-    def loss(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor: ...
+    def loss(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> Tensor: ...
 
-    def sums(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> dict[str, Any]: ...
+    def sums(self, outputs: Tensor, inputs: Tensor, targets: Tensor) -> dict[str, Any]: ...
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
 

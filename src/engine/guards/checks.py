@@ -2,8 +2,6 @@
 infinite loss or weight, and metrics.jsonl refused by the storage. The losses stay on the device
 until a check (each logging step, evaluation or save), where one all-reduce tells every rank."""
 
-from __future__ import annotations
-
 import torch
 from hydra.errors import CompactHydraException
 from torch import nn

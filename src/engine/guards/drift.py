@@ -2,8 +2,6 @@
 A model built differently on one rank, other checkpoint or data files on one machine, or a weight
 changed outside the optimizer step would make each rank train its own model, unnoticed."""
 
-from __future__ import annotations
-
 import copy
 import hashlib
 from collections.abc import Iterable, Sequence

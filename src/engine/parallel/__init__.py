@@ -4,8 +4,6 @@ what differs between modes is one of its methods, so the loop, the checkpoint an
 never the mode's name. `Strategy` is one process on one device; other modes override what differs.
 """
 
-from __future__ import annotations
-
 import importlib
 import pkgutil
 from collections.abc import Iterable

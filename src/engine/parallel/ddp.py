@@ -1,7 +1,5 @@
 """parallel=ddp: DistributedDataParallel, a process per device all-reducing its gradients."""
 
-from __future__ import annotations
-
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar

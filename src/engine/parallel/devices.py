@@ -1,7 +1,5 @@
 """Which device a process trains on: the one `device` names, or the best this machine has."""
 
-from __future__ import annotations
-
 import os
 from typing import Any
 

@@ -3,8 +3,6 @@ optimizer state, gathering a unit's weights for its forward and backward only. C
 plain (gathered onto rank 0) and load into every mode; with `checkpoint.sharded=true` each rank
 writes its part with DCP. FSDP and DCP are imported where used: 0.75 s on other modes' start."""
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -1,10 +1,9 @@
 """The modes that train one process per device, in a process group (ddp, fsdp): their shared keys,
 and joining the group torchrun (or train.py, as torchrun does) started this process in."""
 
-from __future__ import annotations
-
 import logging
 import os
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -37,11 +36,9 @@ class GroupStrategy(Strategy):
         key, value = "parallel.init_method", self.init_method
         if not value.startswith(("env://", "tcp://", "file://")):
             refuse(key, value, "env:// (torchrun's variables), tcp://HOST:PORT or file:///PATH")
-        url = urlsplit(value)
-        try:
+        url, port = urlsplit(value), None
+        with suppress(ValueError):  # url.port raises for a port above 65535
             port = url.port
-        except ValueError:  # a port above 65535
-            port = None
         if url.scheme == "tcp" and not (url.hostname and port):
             refuse(key, value, "tcp://HOST:PORT, with rank 0's host and a port from 1 to 65535")
         if url.scheme == "file" and (url.netloc or not url.path.startswith("/")):

@@ -367,10 +367,9 @@ def likely_causes(
             "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
             "them out of the model"
         )
-    model = probed[0]
     norms = [  # those that normalise by this process's batch alone (SyncBatchNorm shares it)
         name
-        for name, m in model.named_modules()
+        for name, m in probed[0].named_modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
     ]
     layers = f"BatchNorm layers ({', '.join(norms[:5])})"

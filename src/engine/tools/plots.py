@@ -45,8 +45,7 @@ def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
     # Every rank predicts: under FSDP a forward needs them all.
     shown = predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
     if pictures and run.process.is_main and not unwritten:
-        draws = lambda: run.logger.log_images(draw(run.run_dir, shown))  # noqa: E731
-        unwritten = storage.attempt(draws)
+        unwritten = storage.attempt(lambda: run.logger.log_images(draw(run.run_dir, shown)))
     kept = run.checkpointer and run.checkpointer.kept
     storage.stop_together(run.process, unwritten or None, run.run_dir, step, kept or None)
 
@@ -70,7 +69,7 @@ def curves_figure(records: list[dict[str, Any]]) -> Figure:
     test = next((r for r in reversed(records) if logged(r, "test")), {})
     found = [*(measured(r, "val") for r in evals), measured(test, "test")]
     names = [name for name in dict.fromkeys(n for m in found for n in m) if name != "loss"]
-    figure = Figure(figsize=(5 + 5 * len(names), 4))
+    figure = Figure(figsize=(5 + 5 * len(names), 4), layout="tight")
     loss_axes, *metric_axes = figure.subplots(1, 1 + len(names), squeeze=False)[0]
     _plot(loss_axes, records, "step", "train/loss", label="train")
     _plot(loss_axes, evals, "step", "val/loss", "o-", label="val")
@@ -84,7 +83,6 @@ def curves_figure(records: list[dict[str, Any]]) -> Figure:
         panel.set(xlabel="epoch", ylabel=word, title=word[:1].upper() + word[1:])
         panel.legend()
         panel.xaxis.set_major_locator(MaxNLocator(integer=True))
-    figure.tight_layout()
     return figure
 
 

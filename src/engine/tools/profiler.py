@@ -3,8 +3,7 @@ warm up, one file per rank in `profile/` of the run folder, for TensorBoard or P
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -13,18 +12,17 @@ from src.engine.core.state import Parts, Progress
 
 
 class Profiler(Hook):
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         cuda = run.process.device.type == "cuda"
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
         trace = tensorboard_trace_handler(str(run.run_dir / "profile"), f"rank{run.process.rank}")
         steps = schedule(wait=0, warmup=1, active=run.trainer.profile, repeat=1)
-        with profile(
+        self.profile = profile(
             activities=activities, schedule=steps, on_trace_ready=trace, record_shapes=True
-        ) as self.profile:
-            yield
+        )
+        return self.profile
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         self.profile.step()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from itertools import chain
 
 import torch
@@ -20,10 +20,9 @@ log = logging.getLogger(__name__)
 class Speed(Hook):
     """Times each epoch's training steps, from the first to the last (not its validation)."""
 
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
-        self.parts = parts
-        yield
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
+        self.parts = parts  # for the size of its state
+        return nullcontext()
 
     def epoch_started(self, run: Run, progress: Progress) -> None:
         if run.process.device.type == "cuda":  # this epoch's peak, not an earlier evaluation's

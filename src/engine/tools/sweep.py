@@ -1,6 +1,5 @@
-"""A sweep's `summary.csv` (each job's overrides, best validation value of `checkpoint.monitor`,
-test metrics, wall time, status; best first), printed as a table at the end. A Hydra callback
-(conf/config.yaml): each job leaves `job.json`, so jobs run in other processes (submitit) count."""
+"""A sweep's `summary.csv` (a row per job, the best by `checkpoint.monitor` first), printed at the
+end. A Hydra callback: each job leaves `job.json`, so jobs in other processes (submitit) count."""
 
 from __future__ import annotations
 

@@ -3,11 +3,10 @@ capture) done before training, then undone, so training goes on exactly as witho
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, islice
 
 import torch
@@ -24,10 +23,9 @@ log = logging.getLogger(__name__)
 class WarmUp(Hook):
     """Warms up as training starts (not when a resumed run has nothing left to train)."""
 
-    @contextlib.contextmanager
-    def active(self, run: Run, parts: Parts, progress: Progress) -> Iterator[None]:
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
         warm_up(run, parts, progress.step)
-        yield
+        return nullcontext()
 
 
 def warm_up(run: Run, parts: Parts, step: int) -> None:
