@@ -512,6 +512,16 @@ def saved(tmp_path_factory, tiny_data) -> Path:
     return folder / "run" / "checkpoints" / "last.pt"
 
 
+class Command:
+    """Pickled as a call of os.system: what a malicious checkpoint holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
 def bad_file(kind: str, saved: Path, folder: Path) -> Path:
     path = folder / f"{kind}.pt"
     if kind == "truncated":
@@ -521,6 +531,8 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
         path.write_bytes(b"not a checkpoint at all\n" * 10)
     elif kind == "pickled-module":  # the whole model, as many tutorials save it
         torch.save(torch.nn.Linear(2, 2), path)
+    elif kind == "malicious":  # unpickling it would run a command (os.system)
+        torch.save({"model": Command(f"touch {folder / 'ran'}")}, path)
     elif kind == "not-a-checkpoint":
         torch.save({"epoch": 3, "notes": "weights elsewhere"}, path)
     elif kind == "other-architecture":
@@ -541,6 +553,7 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
         ("truncated", "is not a readable checkpoint: truncated or corrupt"),
         ("garbage", "is not a readable checkpoint: truncated or corrupt"),
         ("pickled-module", "(torch.nn.modules.linear.Linear), not only tensors"),
+        ("malicious", f"({os.system.__module__}.system), not only tensors"),
         ("not-a-checkpoint", "is not a checkpoint of this template: it has no model"),
         ("other-architecture", "fc1.weight 128×784 in the file, 512×784 in the model"),
         ("non-finite", "holds weights that are not finite (NaN or infinite values in fc2.bias)"),
@@ -552,6 +565,7 @@ def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind
     assert result.returncode != 0
     assert message in printed(result) and "Traceback" not in printed(result), printed(result)
     assert str(path) in printed(result)
+    assert not (tmp_path / "ran").exists(), "the file's command ran"
 
 
 @pytest.mark.parametrize("given", ["init_from", "train=false ckpt_path"])

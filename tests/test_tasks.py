@@ -65,6 +65,39 @@ class PerToken(mytask.NextToken):
         )
 
 
+class MeanLoss(mytask.NextToken):
+    """The mean over the batch's tokens (cross_entropy's default reduction), not their sum."""
+
+    def loss(self, outputs, inputs, targets):
+        return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+class CountsBatches(MeanLoss):
+    """The plain-PyTorch habit whole: the mean loss, and a count of 1 for a batch."""
+
+    def count(self, inputs, targets):
+        return 1
+
+
+class OwnShareAccuracy(mytask.NextToken):
+    """Its accuracy from the tokens this rank evaluated (state kept in the task), not from the
+    sums summed over the ranks: a hand-written metric with the same flaw as a torchmetrics
+    object with its sync off."""
+
+    seen = right = 0
+
+    def sums(self, outputs, inputs, targets):
+        found = super().sums(outputs, inputs, targets)
+        self.seen += int((targets != -100).sum())
+        self.right += int(found["correct"].sum())
+        return found
+
+    def metrics(self, sums):
+        metrics = {**super().metrics(sums), "acc": self.right / max(self.seen, 1)}
+        self.seen = self.right = 0
+        return metrics
+
+
 class NothingCounted(mytask.NextToken):
     """Counts the targets of a label no token has: none, in every batch."""
 
@@ -349,6 +382,20 @@ MISTAKES_REFUSED = {
         r"^checkpoint.monitor=val/f1 is not a metric this task returns: use val/loss or "
         r"val/acc\.$",
     ),
+    "a mean loss": (
+        ["experiment=counting", "task._target_=mistakes.MeanLoss"],
+        r"^The task's loss\(outputs, inputs, targets\) is (\S+) for two training samples and "
+        r"\S+ and \S+ for each alone: it must be the sum over the batch's terms "
+        r"\(reduction='sum'\), not their mean, as the engine divides it by the global count "
+        r"\(the task contract, src/engine/core/task.py\)\.$",
+    ),
+    "a count of 1 for a batch": (
+        ["experiment=counting", "task._target_=mistakes.CountsBatches"],
+        r"^The task's count\(inputs, targets\) is 1 for two training samples and 1 and 1 for each "
+        r"alone: it must add up, counting the terms the loss sums over \(samples, pixels, "
+        r"unmasked tokens\), as the engine divides the summed loss by the global count \(the "
+        r"task contract, src/engine/core/task.py\)\.$",
+    ),
     "a count that is always 0": (
         ["experiment=counting", "task._target_=mistakes.NothingCounted"],
         r"^The task counts no loss terms in the first training batch \(every target masked\?\): "
@@ -567,3 +614,36 @@ def test_a_mistake_on_the_command_line_stops_with_one_sentence(tmp_path):
     assert output.count("The task's loss of a batch is (32,), not a scalar: return the sum") == 1
     assert "Traceback" not in output and "epoch 1" not in output
     assert not list(tmp_path.rglob("*.pt"))
+
+
+@pytest.mark.slow
+def test_debug_equivalence_names_the_contract_for_a_mean_loss(tmp_path):
+    """A mean loss fails `debug=equivalence` with the sum/count contract named, not a vague
+    difference between the layouts."""
+    write_fork(tmp_path)
+    result = launch(commands()["equivalence"], tmp_path, *SMALL, "task._target_=mistakes.MeanLoss")
+    assert result.returncode == 1
+    output = printed(result)
+    assert "it must be the sum over the batch's terms (reduction='sum'), not their mean" in output
+    assert "Traceback" not in output and "Comparing in" not in output, output
+
+
+def test_ranks_that_disagree_on_a_metric_stop_at_once(tmp_path):
+    """A metric each of 2 DDP ranks computes from its own share: every rank stops at the first
+    validation with one sentence naming the metric and each rank's value (not a hang until
+    parallel.timeout, set short here so that a hang fails fast), and the folder is released."""
+    write_fork(tmp_path)
+    result = launch(
+        commands()["ddp"], tmp_path, *SMALL, "task._target_=mistakes.OwnShareAccuracy",
+        "parallel.timeout=60",
+    )  # fmt: skip
+    assert result.returncode == 1
+    output = printed(result)
+    found = re.search(
+        r"Stopped: val/acc differs between the ranks \(rank 0 (\S+), rank 1 (\S+)\)", output
+    )
+    assert found and found[1] != found[2], output
+    assert "torchmetrics object with its sync off" in output
+    # torchrun's own report of the failure holds its one traceback; the workers print none.
+    assert output.count("Traceback") == 1 and "timed out" not in output.lower(), output
+    assert not list(tmp_path.rglob("run.lock"))

@@ -393,7 +393,9 @@ def _read(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        # torch words it "Unsupported global: GLOBAL x.y was not an allowed global" (a class),
+        # "unsupported GLOBAL posix.system whose module posix is blocked" (a function that runs).
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
         detail = "not a file torch.save wrote"
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
         unsafe, detail = None, str(err).strip().split(". ")[0]

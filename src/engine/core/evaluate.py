@@ -1,6 +1,7 @@
 """Evaluation: a split's metrics, exact whatever the ranks and the batch size; the test, once."""
 
 import logging
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from src.engine.core.context import Run
 from src.engine.core.state import Best
+from src.engine.errors import UserError
 from src.engine.logger import measured
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,36 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
         names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
         totals = process.sum_over_ranks([sums.get(n, 0.0) for n in names])
         sums = dict(zip(names, totals, strict=True))
-    return {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
+    metrics = {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
+    if process.in_group:  # every rank decides with them: the best epoch, early stopping
+        check_same_on_every_rank(process, metrics)
+    return metrics
+
+
+def check_same_on_every_rank(process: Any, metrics: dict[str, Any]) -> None:
+    """Stop every rank at once where a metric differs between them, which would log rank 0's
+    value alone and split the ranks on the best epoch (each waiting on the others until the
+    timeout). From the same summed sums they agree to float64 rounding (1e-9 is far above it)."""
+    ranks = process.all_gather_object(metrics)
+    for name in dict.fromkeys(n for metrics in ranks for n in metrics):
+        values = [metrics.get(name) for metrics in ranks]
+        if not all(same(value, values[0]) for value in values):
+            shown = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(values))
+            raise UserError(
+                f"Stopped: {name} differs between the ranks ({shown}). The task's metrics(sums) "
+                "must come from the sums summed over the ranks alone: a metric each rank computes "
+                "from its own share (state kept in the task, a torchmetrics object with its sync "
+                "off) differs. Return additive sums from sums(), or let torchmetrics sync "
+                "(docs/training.md, the task).",
+                every_rank=True,
+            )
+
+
+def same(value: Any, other: Any) -> bool:
+    """Equal values, numbers within float64's rounding of the same sums (NaN equal to NaN)."""
+    if isinstance(value, (int, float)) and isinstance(other, (int, float)):
+        return math.isclose(value, other, rel_tol=1e-9) or math.isnan(value) and math.isnan(other)
+    return value == other
 
 
 def float64_sum(value: torch.Tensor | float) -> float:

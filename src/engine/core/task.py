@@ -98,3 +98,31 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
             f"The task's loss of a batch is {shape}, not a scalar: return the sum over the "
             "batch's terms (reduction='sum'); the engine divides it by the global count."
         )
+    if torch.is_tensor(outputs):
+        check_sums(task, outputs, inputs, targets, float(loss))
+
+
+def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, loss: float) -> None:
+    """`count` and `loss` add up over samples (two samples' are each one's added): the engine
+    divides the summed loss by the global count, so a mean, or a count of 1, would be divided
+    again (and metrics over the count would be nonsense). The loss of two samples is their sum
+    to float32's rounding of the terms' sums (under 1e-5 relative); a mean is off by half."""
+    one = [(outputs[i : i + 1], inputs[i : i + 1], targets[i : i + 1]) for i in (0, 1)]
+    counts = [int(task.count(inputs, targets)), *(int(task.count(x, y)) for _, x, y in one)]
+    if counts[0] != counts[1] + counts[2]:
+        raise UserError(
+            f"The task's count(inputs, targets) is {counts[0]} for two training samples and "
+            f"{counts[1]} and {counts[2]} for each alone: it must add up, counting the terms the "
+            "loss sums over (samples, pixels, unmasked tokens), as the engine divides the summed "
+            "loss by the global count (the task contract, src/engine/core/task.py).",
+            every_rank=True,
+        )
+    alone = [float(task.loss(*parts)) for parts in one]
+    if abs(loss - sum(alone)) > 1e-3 * sum(map(abs, alone)):
+        raise UserError(
+            f"The task's loss(outputs, inputs, targets) is {loss:.6g} for two training samples "
+            f"and {alone[0]:.6g} and {alone[1]:.6g} for each alone: it must be the sum over the "
+            "batch's terms (reduction='sum'), not their mean, as the engine divides it by the "
+            "global count (the task contract, src/engine/core/task.py).",
+            every_rank=True,
+        )

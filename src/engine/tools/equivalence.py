@@ -154,6 +154,8 @@ def compared(
             gradients(*probe(one, run))
             return one, run
         except (UserError, RuntimeError, TypeError) as err:
+            if isinstance(err, UserError) and err.__context__ is None:  # refused in any precision
+                raise
             error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
             log.warning(
                 f"Comparing in trainer.precision={cfg.trainer.precision} instead, with its "
