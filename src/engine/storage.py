@@ -108,7 +108,8 @@ def stop_together(
     process: Process, fault: Fault | None, run_dir: Path, step: int | None, kept: tuple | None
 ) -> None:
     """Every rank stops, with `stopped`'s message, if the storage refused one rank a file."""
-    if told := agree(process, fault and str(stopped(fault, run_dir, step, kept))):
+    message = fault and str(stopped(fault, run_dir, step, kept))
+    if told := agree(process, message):
         raise StorageFull(told)
 
 
