@@ -487,8 +487,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for marker in item.iter_markers("extra"):
         (name,) = marker.args
         module, requirements = EXTRAS[name]
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             skip_for_extra(f"needs the {name} extra ({module}): pip install -r {requirements}")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported (find_spec raises where its parent package is missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def skip_for_extra(reason: str) -> None:

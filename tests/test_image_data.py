@@ -287,6 +287,19 @@ def test_bad_image_folders_are_named_before_training(tmp_path, how):
     assert not list((tmp_path / "images").glob(".*cache*")) or how != "truncated"
 
 
+@pytest.mark.unit
+def test_class_names_of_another_length_than_the_classes_found_are_refused(tmp_path):
+    """Names for predictions.png that do not fit the folder's classes: one sentence before
+    training, not an IndexError at the pictures after it (nor silence with plots=false)."""
+    root = write_image_folder(tmp_path, {"cat": 4, "dog": 4, "fox": 4}, size=(12, 12))
+    message = (
+        r"^data.class_names has 2 names, and .* has 3 classes: give one name per class, in the "
+        r"order of their numbers, or null \(the names found\)\.$"
+    )
+    with pytest.raises(UserError, match=message):
+        ready(folder_data(root, class_names=["cat", "dog"]))
+
+
 @pytest.mark.slow
 def test_a_bad_image_stops_every_ddp_rank_at_once_with_its_name(tmp_path):
     """Found by the one process that decodes the images; both ranks stop before training, and

@@ -422,6 +422,33 @@ MISTAKES_REFUSED = {
         r"torch.float32 inputs stopped it with: mat1 and mat2 shapes cannot be multiplied "
         r"\(2x784 and 1024x512\)\. Give the model the data's shape ",
     ),
+    "a model with more classes than the data": (
+        ["model.num_classes=12", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^model.num_classes=12, but the data have 10 classes: a score for each is what the model "
+        r"gives\. Set model.num_classes to 10, or leave it to the data "
+        r"\(\$\{data.num_classes\}\)\.$",
+    ),
+    "a model with fewer classes than the data": (
+        ["model.num_classes=5", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^model.num_classes=5, but the data have 10 classes",
+    ),
+    "a hidden layer of size 0": (
+        ["model.hidden=0", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^model=src.models.MLP has a layer of size 0 \(fc1.weight: \(0, 784\)\), which learns "
+        r"nothing: give its size key \(hidden, code, ...\) a value of 1 or more\.$",
+    ),
+    "an autoencoder's code of size 0": (
+        [
+            "model=autoencoder",
+            "task=regression",
+            "task.target=input",
+            "model.code=0",
+            "checkpoint.monitor=val/loss",
+            "data.root={tiny_data}",
+            f"data.val_size={VAL_SIZE}",
+        ],
+        r"^model=src.models.AutoEncoder has a layer of size 0 ",
+    ),  # fmt: skip
     "label smoothing of 2": (
         ["task.label_smoothing=2"],
         r"^task.label_smoothing=2 is not allowed: use 0 \(none\) up to below 1, e.g. 0.1\.$",

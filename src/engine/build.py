@@ -156,6 +156,13 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     configure_kernels(trainer)
     # The input's shape and the number of classes that the config leaves to the data to find.
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
+    if cfg.model.get("num_classes") not in (None, data.num_classes) and data.num_classes:
+        raise UserError(
+            f"model.num_classes={cfg.model.num_classes}, but the data have {data.num_classes} "
+            f"classes: a score for each is what the model gives. Set model.num_classes to "
+            f"{data.num_classes}, or leave it to the data (${{data.num_classes}}).",
+            every_rank=True,
+        )
     checkpoint.seed_everything(cfg.seed)  # the same initial weights on every rank
     # Built in float32 (the default dtype), then cast: float64 starts from float32's weights.
     model = instantiated("model", cfg.model, **found).to(process.device, trainer.dtype)

@@ -229,6 +229,13 @@ class Data:
                 f"classes. Set it to {len(classes)}, or to null to take the number found."
             )
         self.class_names = self.class_names or classes
+        if self.class_names and self.num_classes and len(self.class_names) != self.num_classes:
+            raise UserError(
+                f"data.class_names has {len(self.class_names)} names, and {self.source} has "
+                f"{self.num_classes} classes: give one name per class, in the order of their "
+                "numbers, or null (the names found).",
+                every_rank=True,
+            )
         for split in ("train", "test") if labels else ():
             found = labels_of(getattr(self, split))
             if found is not None and found.numel() and found.max() >= self.num_classes:
