@@ -42,6 +42,21 @@ class Tabular:
         )
 
 
+class NoisyTabular(Tabular):
+    """Tabular features, with its own augmentation (`augment`, one of Data's keys): noise added
+    to the training split's features."""
+
+    def __init__(self, num_classes: int, seed: int, augment: bool = False):
+        super().__init__(num_classes, seed)
+        self.augment = augment
+
+    def split(self, name: str):
+        features, labels = super().split(name).tensors()
+        if self.augment and name == "train":
+            features = features + torch.randn(features.shape, generator=torch.Generator())
+        return Tensors(features, labels)
+
+
 class Tokens:
     """Sequences of 12 int64 tokens below `vocabulary`, drawn from `seed`, and as targets the
     next tokens; past each sequence's end the inputs are 0 and the targets -100
@@ -179,6 +194,15 @@ def test_both_loaders_give_the_same_batches(kind, world_size, num_workers):
             assert_same(got, want)
     if world_size == 2:
         assert empty == (3 if kind.startswith("features") else 1)  # 2 epochs' shares, 1 padding
+
+
+def test_a_dataset_class_that_augments_its_own_inputs_is_left_to_it():
+    """data.augment=true for a class that takes `augment`: the class augments, the engine's
+    crop-and-flip of images stays off (it would need an image size these inputs lack)."""
+    data = ready(data_of("NoisyTabular", num_classes=3, augment=True))
+    assert data.augmentation is None and data.source.augment is True
+    inputs, _, _ = next(data.train_batches(1))
+    assert inputs.shape == (8, 20) and inputs.dtype == torch.float32
 
 
 @pytest.mark.parametrize("loader", ["tensor", "torch"])

@@ -150,7 +150,7 @@ class Data:
         self.steps_per_epoch = len(self.sampler)
         self.normalise = self._normalisation() if self.is_image else self._as_dtype
         self.augmentation = None
-        if self.augment:
+        if self.augment and self.is_image:  # other inputs: the dataset class augments them
             pad = max(self.image_size // 8, 1)
             self.augmentation = Augment(pad, self.seed, self.rank, self.world_size)
         if self.loader == "torch":
