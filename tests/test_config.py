@@ -258,6 +258,12 @@ def test_every_yaml_key_has_a_comment():
          "localhost:99999 is not allowed: use tcp://HOST:PORT"),
         ("parallel=ddp parallel.init_method=file://relative/x", "^parallel.init_method=file://"
          "relative/x is not allowed: use file:///PATH, a file's absolute path"),
+        ("seed=99999999999", r"^seed=99999999999 is not allowed: use a whole number from 0 to "
+         r"4294901760\.$"),
+        ("resume=a.pt init_from=b.pt", r"^resume=a.pt continues a run, its weights included, and "
+         r"init_from=b.pt starts a new one from a file's weights: give one of them\.$"),
+        ("logger=wandb logger.mode=bogus", r"^logger.mode=bogus is not allowed: use online, "
+         r"offline, disabled or null \(\$WANDB_MODE, else online\)\.$"),
         ("resume=false", r"^resume=false is not allowed: use auto \(the run folder's last.pt\), "
          r"null \(never\) or a checkpoint's path.$"),
         ("init_from=1", "^init_from=1 is not allowed: use null or a checkpoint's path.$"),

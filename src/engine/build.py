@@ -40,6 +40,7 @@ log = logging.getLogger("train")
 
 # What a model may take from the data: a sample's shape (any data; an image's channels and size)
 # and what it is to output (the number of classes; a target's shape).
+WANDB_MODES = ("online", "offline", "disabled")  # logger.mode: what wandb.init takes
 DATA_SHAPE = ("input_shape", "in_channels", "image_size", "num_classes", "target_shape")
 # What Python says when a call's keywords do not fit the function: a key the class does not take.
 SIGNATURE = ("unexpected keyword argument", "required positional argument", "multiple values")
@@ -70,6 +71,8 @@ def read_settings(cfg: DictConfig) -> Settings:
     typed(ScheduleKeys, {"interval": resolved["scheduler"].get("interval")}, "scheduler", checked)
     checkpoint = typed(Checkpointing, resolved["checkpoint"], "checkpoint", checked)
     trainer = typed(Trainer, resolved["trainer"], "trainer", checked)
+    if (mode := (resolved["logger"] or {}).get("mode")) not in (None, *WANDB_MODES):
+        refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
     return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, resolved)
 

@@ -18,6 +18,7 @@ from src.engine import parallel
 from src.engine.errors import Checked, UserError, above, least, one_of, refuse
 from src.engine.parallel.none import Single
 
+MAX_SEED = 2**32 - 2**16  # room for a rank's number added to it
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -171,6 +172,13 @@ class Start(Checked):
         for key in ("resume", "init_from", "ckpt_path"):  # a path: no number, no flag
             if not (getattr(self, key) is None or isinstance(getattr(self, key), str)):
                 refuse(key, getattr(self, key), paths.get(key, "null or a checkpoint's path"))
+        if self.seed > MAX_SEED:  # NumPy takes seeds below 2**32, and each rank adds its number
+            refuse("seed", self.seed, f"a whole number from 0 to {MAX_SEED}")
+        if self.init_from is not None and self.resume not in (None, "auto"):
+            raise UserError(
+                f"resume={self.resume} continues a run, its weights included, and init_from="
+                f"{self.init_from} starts a new one from a file's weights: give one of them."
+            )
         if not self.train and self.ckpt_path is None:
             raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
         if self.train and self.ckpt_path is not None:
