@@ -27,7 +27,14 @@ from hydra.errors import (
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.engine.build import build_scheduler, check_schedule, instantiated, read_settings, typed
+from src.engine.build import (
+    build_scheduler,
+    check_optimizer,
+    check_schedule,
+    instantiated,
+    read_settings,
+    typed,
+)
 from src.engine.data import Data
 from src.engine.errors import UserError
 
@@ -383,6 +390,8 @@ STAND_IN = [torch.zeros(1, requires_grad=True)]  # a parameter to build an optim
          r"them\)\.$"),
         ("optimizer=adam optimizer.lr=abc", "optimizer", r"^optimizer: torch.optim.Adam refuses a "
          "value"),
+        ("optimizer=adam optimizer.betas=[0.9]", "optimizer", r"^optimizer: torch.optim.Adam "
+         r"refuses a value \(list index out of range\)\. Fix the optimizer.\* keys"),
         ("+optimizer.foo=1", "optimizer", r"^optimizer: torch.optim.SGD does not take these keys "
          r"\(SGD.__init__\(\) got an unexpected keyword argument 'foo'\)"),
         ("+model.hiddn=3", "model", r"^model: src.models.MLP does not take these keys"),
@@ -402,6 +411,24 @@ def test_a_class_the_config_names_refusing_its_keys_is_one_sentence(override, gr
     args = (STAND_IN,) if group == "optimizer" else ()
     with pytest.raises(UserError, match=message):
         instantiated(group, cfg[group], *args, values=group == "optimizer")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optimizer.lr=nan", r"^optimizer.lr=nan is not allowed: use a finite number\.$"),
+        ("optimizer=adam +optimizer.eps=inf", r"^optimizer.eps=inf is not allowed: use a finite "),
+        ("optimizer.momentum=1.5", r"^optimizer.momentum=1.5 is not allowed: use 0 up to below 1 "
+         r"\(0.9 is usual\)\.$"),
+    ],
+)  # fmt: skip
+def test_optimizer_values_torch_accepts_but_cannot_mean_are_refused(override, message):
+    cfg = compose_config(*override.split())
+    optimizer = instantiated("optimizer", cfg.optimizer, STAND_IN, values=True)  # torch takes it
+    with pytest.raises(UserError, match=message):
+        check_optimizer(optimizer.defaults)
+    check_optimizer(instantiated("optimizer", compose_config().optimizer, STAND_IN).defaults)
 
 
 @pytest.mark.unit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import warnings
 from contextlib import AbstractContextManager
@@ -188,6 +189,7 @@ def build_parts(
     """The optimizer, schedule, scaler and progress (fresh or `resumed`), and their checkpointer."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
+    check_optimizer(optimizer.defaults)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
     scaler = strategy.scaler(process.device, enabled=trainer.precision == "16")
     steps = data.steps_per_epoch * trainer.epochs
@@ -287,7 +289,8 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
                 every_rank=True,
             ) from None
         signature = isinstance(cause, TypeError) and any(s in str(cause) for s in SIGNATURE)
-        if not (signature or (values and isinstance(cause, (TypeError, ValueError)))):
+        refused = (TypeError, ValueError, IndexError)  # IndexError: Adam's betas=[0.9]
+        if not (signature or (values and isinstance(cause, refused))):
             raise
         raise UserError(
             f"{group}: {target} {'does not take these keys' if signature else 'refuses a value'} "
@@ -295,6 +298,16 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
             "them).",
             every_rank=True,
         ) from None
+
+
+def check_optimizer(defaults: dict[str, Any]) -> None:
+    """What torch's optimizers accept but cannot mean: a value that is not finite (NaN
+    compares false with every bound they check), a momentum of 1 or more (steps without bound)."""
+    for key, value in defaults.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            refuse(f"optimizer.{key}", value, "a finite number")
+    if not 0 <= defaults.get("momentum", 0) < 1:
+        refuse("optimizer.momentum", defaults["momentum"], "0 up to below 1 (0.9 is usual)")
 
 
 # A dataclass as OmegaConf checks values against it, made once per class (a merge copies it).
