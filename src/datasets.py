@@ -99,7 +99,7 @@ class Torchvision:
         """Download into a folder beside `root`'s files, then move them in; say why none came."""
         name, root, size = self.torchvision_class, self.root, self.download_size
         try:  # can files be written there (the folder made if missing)?
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(exist_ok=True)  # in a folder that exists: a mistyped path makes none
             TemporaryFile(dir=root).close()
         except OSError as err:
             raise UserError(
@@ -207,6 +207,15 @@ class IDX(FixedSize):
         return find_idx_folder(self.root, self.torchvision_class) is not None
 
     def missing(self, reason: str) -> UserError:
+        names = [name for pair in IDX_FILES.values() for name in pair]
+        for folder in (self.root, self.root / self.torchvision_class / "raw"):
+            lacking = [name for name in names if not find_file(folder, name)]
+            if 0 < len(lacking) < len(names):  # some of the four are there: name the others
+                return UserError(
+                    f"{folder} lacks {', '.join(lacking)} (gzipped or not) of the four "
+                    f"{self.torchvision_class} IDX files, and {reason}. Put the missing "
+                    "files beside the others."
+                )
         return UserError(
             f"{self.torchvision_class} IDX files not found in {self.root} or "
             f"{self.root / self.torchvision_class / 'raw'}, and {reason}. Put the four files "

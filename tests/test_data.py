@@ -17,7 +17,7 @@ from conftest import (
 )
 from torch.utils.data import DistributedSampler
 
-from src.datasets import find_idx_folder, read_idx
+from src.datasets import IDX, find_idx_folder, read_idx
 from src.engine.data import Data, GlobalBatchSampler
 from src.engine.errors import UserError
 from src.engine.parallel import Process
@@ -159,6 +159,21 @@ def test_missing_data_says_what_to_do(tmp_path):
     assert "the download failed" in result.stderr
     assert "data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.unit
+def test_a_missing_file_of_the_four_is_named_and_a_mistyped_root_is_not_made(tmp_path):
+    """One IDX file missing: the sentence names it (not a failed download of another); a
+    data.root under a folder that does not exist is refused before a download, not created."""
+    folder = make_dataset(tmp_path / "data")
+    (folder / "t10k-images-idx3-ubyte.gz").unlink()
+    with pytest.raises(UserError, match=rf"^{folder} lacks t10k-images-idx3-ubyte \(gzipped or "
+                       r"not\) of the four MNIST IDX files, and data.download=false"):  # fmt: skip
+        IDX(str(folder), download=False).prepare()
+    mistyped = tmp_path / "no" / "such"
+    with pytest.raises(UserError, match="cannot be written to download them into"):
+        IDX(str(mistyped)).prepare()
+    assert not (tmp_path / "no").exists()
 
 
 def test_corrupt_file_stops_the_run_with_its_name(tmp_path):

@@ -288,6 +288,22 @@ def test_bad_image_folders_are_named_before_training(tmp_path, how):
 
 
 @pytest.mark.unit
+def test_one_class_or_a_batch_larger_than_the_data_is_warned_about(tmp_path, caplog):
+    """What a user did not mean but can train: one line each, from rank 0 only."""
+    root = write_image_folder(tmp_path, {"cat": 10}, size=(12, 12))
+    ready(folder_data(root, batch_size=12), rank=1, world_size=2)
+    assert not caplog.records
+    ready(folder_data(root, batch_size=12))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        "data.batch_size=12 is more than the 8 training samples: each step takes them all, one "
+        "step an epoch. Lower data.batch_size for more steps.",
+        f"{root} holds one class: a classifier is right from the start and learns nothing. Give "
+        "it two classes or more.",
+    ]
+
+
+@pytest.mark.unit
 def test_class_names_of_another_length_than_the_classes_found_are_refused(tmp_path):
     """Names for predictions.png that do not fit the folder's classes: one sentence before
     training, not an IndexError at the pictures after it (nor silence with plots=false)."""

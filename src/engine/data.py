@@ -165,6 +165,19 @@ class Data:
             what,
             self.source,
         )
+        if self.rank == 0 and self.batch_size > self.size("train"):
+            log.warning(
+                "data.batch_size=%d is more than the %d training samples: each step takes them "
+                "all, one step an epoch. Lower data.batch_size for more steps.",
+                self.batch_size,
+                self.size("train"),
+            )
+        if self.rank == 0 and self.num_classes == 1:
+            log.warning(
+                "%s holds one class: a classifier is right from the start and learns nothing. "
+                "Give it two classes or more.",
+                self.source,
+            )
 
     def _data_loaders(self) -> None:
         """loader=torch: DataLoaders of the training order and of each rank's evaluation share."""
