@@ -3,6 +3,7 @@ SIGKILL of a torchrun worker), loading into every parallel mode, and bad files."
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -33,6 +34,8 @@ from conftest import (
     train,
     wait_for,
 )
+
+from src.engine.checkpoint import check_changes
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 
@@ -434,6 +437,7 @@ def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
 
     result = ok(train([*sharded, "trainer.epochs=2"], tmp_path, nproc=3))
     assert "Resuming at epoch 2, after 0 of its batches" in printed(result)
+    assert printed(result).count("The checkpoint was saved by 2 processes and this run has 3") == 1
     final, want = last(parts), last(whole)
     assert (
         final["progress"]["step"] == want["progress"]["step"]
@@ -740,3 +744,20 @@ def test_a_checkpoint_written_before_this_layout_resumes_exactly(tmp_path, tiny_
         torch.testing.assert_close(
             got["optimizer"]["state"][number], moments, rtol=0, atol=WEIGHT_ATOL
         )
+
+
+@pytest.mark.unit
+def test_a_resume_into_another_mode_says_so_in_one_line(caplog):
+    """parallel=ddp's checkpoint resumed with parallel=none: one line for the mode, not one per
+    key of ddp's that none lacks; a changed key of a group that kept its class still shows."""
+    ddp = {"_target_": "src.engine.parallel.ddp.DDP", "find_unused_parameters": False,
+           "bucket_cap_mb": 25.0, "static_graph": False}  # fmt: skip
+    none = {"_target_": "src.engine.parallel.none.Single"}
+    saved = {"parallel": ddp, "trainer": {"epochs": 2}}
+    caplog.set_level(logging.INFO)
+    check_changes(saved, {"parallel": none, "trainer": {"epochs": 4}}, "last.pt")
+    assert [r.getMessage() for r in caplog.records] == [
+        "parallel._target_ src.engine.parallel.ddp.DDP → src.engine.parallel.none.Single from "
+        "this config",
+        "trainer.epochs 2 → 4 from this config",
+    ]

@@ -80,11 +80,13 @@ class RandomState:
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) != self.process.world_size:
-            log.warning(
-                f"The checkpoint was saved by {len(states)} processes and this run has "
-                f"{self.process.world_size}: weights, optimizer, schedule and sample order "
-                "continue, dropout's random streams start afresh."
-            )
+            said = "1 process" if len(states) == 1 else f"{len(states)} processes"
+            if self.process.is_main:  # every rank's line would say the same
+                log.warning(
+                    f"The checkpoint was saved by {said} and this run has "
+                    f"{self.process.world_size}: weights, optimizer, schedule and sample order "
+                    "continue, random streams (dropout's) start afresh."
+                )
             return
         set_rng_state(states[self.process.rank])
         self.continued = True
@@ -514,8 +516,15 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
                 f"{key}={now}, and {path} was trained with {key}={was}: {why}. Resume with "
                 f"{key}={was}, or start a new run from its weights: init_from={path}."
             )
-    for key in sorted(before.keys() | after.keys()):
-        if key.split(".")[0] not in QUIET and before.get(key) != after.get(key):
+    keys = sorted(before.keys() | after.keys())
+    # A group that names another class (parallel=ddp → none): that line alone, not its keys'.
+    switched = {k[: -len("._target_")] for k in keys if k.endswith("._target_")}
+    switched = {g for g in switched if before.get(f"{g}._target_") != after.get(f"{g}._target_")}
+    for key in keys:
+        if key.split(".")[0] in QUIET or before.get(key) == after.get(key):
+            continue
+        under = [group for group in switched if key.startswith(f"{group}.")]
+        if not under or key == f"{under[0]}._target_":
             log.info("%s %s → %s from this config", key, before.get(key), after.get(key))
 
 
