@@ -280,8 +280,9 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
 ):
     """The issue's 3 a.m. case on 4 MB: last.pt of step 2 and best.pt of step 4 (1.7 MB each)
     fit, the copy of best.pt to last.pt beside them does not. Both ranks stop together, no
-    process is left, last.pt of step 2 still loads, and with space freed the same command
-    resumes mid-epoch to the uninterrupted run's end."""
+    process is left, the message names best.pt of step 4 (whole) and the command that resumes
+    from it, last.pt of step 2 still loads, and with space freed that command resumes to the
+    uninterrupted run's end."""
     common = [f"data.root={tiny_data}", *RUN, "trainer.epochs=3", "checkpoint.every_n_steps=2",
               "parallel=ddp", "parallel.nproc_per_node=2", "device=cpu"]  # fmt: skip
     run_dir = small_disk / "run"
@@ -290,9 +291,9 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
     wait_for(lambda: not running_in_group(process.pid), None, timeout=10)  # nothing outlives it
     assert stop_message((tmp_path / "full" / "log").read_text()) == (
         f"Stopped at step 4: {run_dir}/checkpoints/last.pt could not be written: the disk is "
-        "full (No space left on device). Nothing partial is left, and checkpoints/last.pt from "
-        "step 2 is intact. Free space on that disk, then run the same command with "
-        f"hydra.run.dir={run_dir} to resume."
+        "full (No space left on device). Nothing partial is left, and checkpoints/best.pt from "
+        "step 4 is intact. Free space on that disk, then run the same command with "
+        f"hydra.run.dir={run_dir} resume={run_dir}/checkpoints/best.pt to resume."
     )
     assert not partial_files(run_dir)
     assert (
@@ -300,8 +301,9 @@ def test_a_full_disk_stops_every_ddp_rank_and_the_run_resumes_once_space_is_free
         load(run_dir / "checkpoints" / "best.pt")["progress"]["step"],
     ) == (2, 4)
     assert mount("-o", "remount,size=64m", str(small_disk)).returncode == 0
-    result = ok(train([*common, f"hydra.run.dir={run_dir}"], tmp_path))
-    assert "Resuming at epoch 1, after 2 of its batches, step 2" in printed(result)
+    best = run_dir / "checkpoints" / "best.pt"
+    result = ok(train([*common, f"hydra.run.dir={run_dir}", f"resume={best}"], tmp_path))
+    assert "step 4" in printed(result)
     reference = tmp_path / "reference"
     ok(train([*common, f"hydra.run.dir={reference}"], tmp_path))
     assert_same_training(run_dir, reference)

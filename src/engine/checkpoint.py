@@ -202,6 +202,7 @@ class Checkpointer:
             # best.pt first: a kill between the two writes leaves last.pt behind it, and the
             # resumed run redoes this epoch and writes the same best.pt again.
             self._save(self.best, step)
+            self.kept = (self.best, step)  # whole, should the copy be refused
             self._on_main(lambda: storage.copy_atomically(self.best, self.last), step)
             self.kept = (self.last, step)
 

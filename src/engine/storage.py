@@ -136,8 +136,9 @@ def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -
         fix = f"Make sure nothing else deletes files in {run_dir}"
     else:
         reason, fix = "the storage reported an error", f"Check the disk of {path.parent}"
-    fix += f", then run the same command with hydra.run.dir={run_dir} to "
-    fix += "resume" if kept else "start again"
+    newer = kept and kept[0].name != "last.pt"  # best.pt, written before its copy was refused
+    fix += f", then run the same command with hydra.run.dir={run_dir}"
+    fix += f" resume={kept[0]} to resume" if newer else " to resume" if kept else " to start again"
     if kept and fault.errno in READ_ONLY:
         fix += f"; or continue elsewhere: resume={kept[0]} hydra.run.dir=<a writable folder>"
     return StorageFull(
