@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
+from src.engine.guards.checks import NonFiniteLoss
 from src.engine.parallel import Process
 from src.engine.tools import plots
 from src.engine.tools.sweep import SweepSummary, _write
@@ -88,6 +89,27 @@ def test_a_classification_sweep_summary_keeps_its_columns_and_table(tmp_path, ca
     assert table[1] == "   best monitor  epoch test acc  wall s status    overrides"
     assert table[2].split()[:4] == ["0.8000", "val/acc", "2", "0.7500"]
     assert table[3].split()[:4] == ["0.6000", "val/acc", "1", "-"]
+
+
+def test_a_failed_jobs_cause_is_told_and_kept_in_its_job_json(tmp_path, caplog):
+    """Whichever job of a sweep fails (a non-finite loss, here), its sentence is logged as the
+    job ends (console and its train.log) and kept in job.json; summary.csv keeps its columns."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = compose("config", return_hydra_config=True)
+    config.hydra.mode, config.hydra.job.num = RunMode.MULTIRUN, 3
+    config.hydra.sweep.dir = str(tmp_path)
+    config.hydra.runtime.output_dir = str(tmp_path / "3")
+    write_metrics(tmp_path / "3", run_records("acc", [0.5], None))
+    callback = SweepSummary()
+    callback.on_job_start(config)
+    stop = "Stopped: the training loss was not finite at step 7 (NaN or infinite), ..."
+    job = JobReturn(overrides=["optimizer.lr=100"], status=JobStatus.FAILED)
+    job.return_value = NonFiniteLoss(stop)
+    callback.on_job_end(config, job)
+    assert json.loads((tmp_path / "3" / "job.json").read_text())["cause"] == stop
+    assert f"Job 3 (optimizer.lr=100) stopped: {stop}" in caplog.text
+    callback.on_multirun_end(config)
+    assert "cause" not in summary(tmp_path)[0]
 
 
 def test_a_regression_sweep_summary_carries_the_test_mae(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import csv
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from src.engine.config import checkpoint_mode_of
 from src.engine.core.state import Best
 from src.engine.errors import UserError
 from src.engine.logger import measured
+
+log = logging.getLogger(__name__)
 
 # summary.csv's columns: these, then the jobs' test metrics, then LAST.
 FIRST = ["job", "overrides", "monitor", "best", "best_epoch"]
@@ -50,6 +53,10 @@ class SweepSummary(Callback):
         job |= {"monitor": best.monitor, "best": best.value, "best_epoch": best.epoch}
         job |= {"mode": best.mode, **test, "wall_s": round(time.monotonic() - self.started, 1)}
         job |= {"status": job_return.status.name.lower(), "folder": str(folder)}
+        failure = job_return._return_value  # noqa: SLF001 - a failed job's exception, no getter
+        if job_return.status.name == "FAILED" and failure is not None:
+            job["cause"] = str(failure)
+            log.error("Job %d (%s) stopped: %s", job["job"], job["overrides"], job["cause"])
         (folder / "job.json").write_text(json.dumps(job))
         # Rewritten after every job: a sweep that stops on a failed job still has its summary,
         # and Hydra then skips on_multirun_end, so the table is printed on the way out instead.
