@@ -28,7 +28,7 @@ from conftest import (
 )
 from hydra import compose, initialize_config_dir
 
-from src.engine import launch
+from src.engine import config, launch  # noqa: F401 - config registers the schema conf/ composes from
 from src.engine.errors import UserError
 
 
@@ -314,6 +314,18 @@ def test_slurm_launcher_config_composes():
         "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     )
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (1, 1, 4)
+
+
+@pytest.mark.unit
+@pytest.mark.extra("slurm")
+@pytest.mark.parametrize("mode", ["parallel=none", "parallel=dp", "parallel=fsdp", "parallel=ddp"])
+def test_a_slurm_job_asks_for_a_gpu_in_every_mode(mode):
+    """A job that would ask for none trains on the node's CPU (device=auto) without a word: every
+    mode asks for one GPU at least, one per process where parallel.nproc_per_node says."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", mode],
+                      return_hydra_config=True)  # fmt: skip
+    assert cfg.hydra.launcher.gpus_per_node == 1
 
 
 @pytest.mark.slow

@@ -311,6 +311,13 @@ def _direction(*, _root_: DictConfig) -> str:
     )
 
 
-if not OmegaConf.has_resolver("checkpoint_mode"):
-    OmegaConf.register_new_resolver("checkpoint_mode", _direction)
+def _gpus_per_node(*, _root_: DictConfig) -> int:
+    """`${gpus_per_node:}` (conf/hydra/launcher/slurm.yaml): one GPU per process the job starts
+    (`parallel.nproc_per_node`), else one: a job that asks for none trains on the node's CPU."""
+    return OmegaConf.select(_root_, "parallel.nproc_per_node") or 1
+
+
+for name, resolver in {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}.items():
+    if not OmegaConf.has_resolver(name):
+        OmegaConf.register_new_resolver(name, resolver)
 register()
