@@ -1,10 +1,13 @@
 """wandb's mode, and a wandb that fails: training goes on with metrics.jsonl."""
 
 import pytest
-import wandb
 from conftest import offline_env, ok, read_metrics, run_dirs, train
 
 from src.engine.logger import wandb_mode
+
+# Skipped, not a collection error, where wandb is not installed (.ci/gpu's machine): a
+# collection error would stop a `-m gpu` run that does not even select these tests.
+wandb = pytest.importorskip("wandb", reason="needs wandb: pip install -r requirements.txt")
 
 DEFAULT = wandb.Settings().base_url
 
