@@ -72,8 +72,8 @@ def test_float64_on_a_gpu_trains_what_the_cpu_trains(tmp_path, tiny_data):
     (cpu_steps, cpu_weights), (gpu_steps, gpu_weights) = runs["cpu"], runs["cuda"]
     for ours, ref in zip(gpu_steps, cpu_steps, strict=True):
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=1e-10)
-    for name, weight in cpu_weights.items():
-        assert gpu_weights[name].dtype == torch.float64
+    for name, weight in cpu_weights.items():  # the GPU run's checkpoint holds CPU tensors
+        assert (gpu_weights[name].dtype, gpu_weights[name].device.type) == (torch.float64, "cpu")
         torch.testing.assert_close(gpu_weights[name], weight, rtol=1e-10, atol=1e-10)
 
 

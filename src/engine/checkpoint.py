@@ -92,6 +92,21 @@ class RandomState:
         self.continued = True
 
 
+def on_cpu(value: Any) -> Any:
+    """`value` (dicts, lists and tuples of tensors and plain values) with its tensors on the CPU,
+    so that torch.load reads the file where no GPU is; the tensors already there are not copied."""
+    if torch.is_tensor(value):
+        return value.cpu()
+    if isinstance(value, dict):
+        copied = type(value)((key, on_cpu(item)) for key, item in value.items())
+        if hasattr(value, "_metadata"):  # a state_dict's module versions, for load_state_dict
+            copied._metadata = value._metadata
+        return copied
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(item) for item in value)
+    return value
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and PyTorch's default random generators."""
     random.seed(seed)
@@ -226,7 +241,8 @@ class Checkpointer:
 
         def write() -> None:
             path.parent.mkdir(exist_ok=True)  # not parents=True: a deleted run folder is told
-            storage.write_atomically(path, lambda file: torch.save(state | self.metadata, file))
+            whole = on_cpu(state | self.metadata)  # read anywhere, a GPU or not; loaded back
+            storage.write_atomically(path, lambda file: torch.save(whole, file))  # onto it
 
         self._on_main(write, step, path)
         if sharded and self.process.is_main:  # the shards that neither last.pt nor best.pt names
