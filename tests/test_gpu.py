@@ -48,14 +48,19 @@ def test_the_fast_recipe_trains_and_warms_up(tmp_path, tiny_data):
 
 
 def test_float16_trains_with_its_scaler_and_resumes_a_float32_run(tmp_path, tiny_data):
-    common = [f"data.root={tiny_data}", "logger=none", "model=cnn", "optimizer=adam"]
+    """4 steps in float32 (the tiny data's first epoch: 200 images in batches of 64), then steps
+    5 to 8, its second epoch, in float16 with the loss scaler (trainer.epochs=2 leaves them)."""
+    common = [f"data.root={tiny_data}", "logger=none", "model=cnn", "optimizer=adam",
+              "trainer.epochs=2"]  # fmt: skip
     ok(train([*common, "trainer.max_steps=4"], tmp_path / "32"))
     last = single_run(tmp_path / "32") / "checkpoints" / "last.pt"
     resumed = [*common, "trainer.max_steps=8", f"resume={last}", "trainer.precision=16"]
     ok(train([*resumed, "trainer.log_every_n_steps=1"], tmp_path / "16"))
     state = torch.load(single_run(tmp_path / "16") / "checkpoints" / "last.pt")
     assert state["progress"]["step"] == 8 and state["scaler"]["scale"] > 0
-    assert all(math.isfinite(m["train/loss"]) for m in read_metrics(single_run(tmp_path / "16"))[0])
+    steps = read_metrics(single_run(tmp_path / "16"))[0]
+    assert [m["step"] for m in steps] == [5, 6, 7, 8], "float16 trained steps 5 to 8"
+    assert all(math.isfinite(m["train/loss"]) for m in steps)
 
 
 def test_float64_on_a_gpu_trains_what_the_cpu_trains(tmp_path, tiny_data):
