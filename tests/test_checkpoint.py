@@ -572,27 +572,6 @@ def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind
     assert not (tmp_path / "ran").exists(), "the file's command ran"
 
 
-def test_an_evaluation_into_a_training_runs_folder_is_refused_and_changes_nothing(
-    tmp_path, tiny_data, saved
-):
-    """train=false ckpt_path=<run>/checkpoints/best.pt hydra.run.dir=<run> would replace the run's
-    metrics.jsonl and config with the evaluation's: refused before Hydra writes anything there.
-    An evaluation's own folder is evaluated into again (its records replaced)."""
-    run_dir = saved.parent.parent
-    records = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    evaluate = ["logger=none", f"data.root={tiny_data}", "train=false", f"ckpt_path={saved}"]
-    result = train([*evaluate, f"hydra.run.dir={run_dir}"], tmp_path)
-    said = (
-        f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), which "
-        "an evaluation (train=false) would replace with its own: give it a folder of its own "
-        "(hydra.run.dir=...); ckpt_path can stay where it is."
-    )
-    assert result.returncode == 1 and printed(result).strip().endswith(said), printed(result)
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == records
-    for _ in range(2):
-        ok(train([*evaluate, f"hydra.run.dir={tmp_path / 'evaluated'}"], tmp_path))
-
-
 @pytest.mark.parametrize("given", ["init_from", "train=false ckpt_path"])
 def test_non_finite_weights_to_start_from_or_evaluate_are_named(tmp_path, tiny_data, saved, given):
     """Not a diverged loss ("try a lower optimizer.lr") nor chance-level figures and exit 0: the

@@ -182,9 +182,22 @@ def _take(path: Path, me: dict) -> str | None:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):  # removed meanwhile, or being written: look again
                 continue
-        if refusal := in_use(path, holder, me):
-            return refusal
+        # Alive unless an earlier attempt of this torchrun job, or a process gone from this machine.
+        alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
+        if alive and holder.get("host") == me["host"]:
+            try:
+                os.kill(int(holder["pid"]), 0)
+            except ProcessLookupError:
+                alive = False
+            except (PermissionError, KeyError, TypeError, ValueError):
+                pass  # another user's process, or a lock this code did not write
         who = f"process {holder.get('pid')} on {holder.get('host')}"
+        if alive:
+            return (
+                f"{path.parent} is in use by another run ({who}): give this run a folder of its "
+                "own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
+                f"running, delete {path}."
+            )
         logging.getLogger(__name__).warning(
             f"{path} was left by a run that ended without removing it ({who}): this run takes the "
             "folder over"
@@ -193,27 +206,7 @@ def _take(path: Path, me: dict) -> str | None:
     return f"{path} keeps being taken by other runs: give this run a folder of its own."
 
 
-def in_use(path: Path, holder: dict, me: dict) -> str | None:
-    """The sentence refusing the folder of the lock `path` that `holder` wrote, if it is alive:
-    not an earlier attempt of this torchrun job, nor a process gone from this machine."""
-    alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
-    if alive and holder.get("host") == me["host"]:
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            alive = False
-        except (PermissionError, KeyError, TypeError, ValueError):
-            pass  # another user's process, or a lock this code did not write
-    if not alive:
-        return None
-    return (
-        f"{path.parent} is in use by another run (process {holder.get('pid')} on "
-        f"{holder.get('host')}): give this run a folder of its own (hydra.run.dir=...), or wait "
-        f"for that one to end. If it is no longer running, delete {path}."
-    )
-
-
-def check_run_folder(folder: Path, train: bool = True) -> None:
+def check_run_folder(folder: Path) -> None:
     """The run folder can be made and written, else one sentence why (not Hydra's tracebacks)."""
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
@@ -230,26 +223,6 @@ def check_run_folder(folder: Path, train: bool = True) -> None:
             f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
             "you can write to (hydra.run.dir=...), or make that one writable."
         )
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # its ranks refuse a folder in use together (held)
-        return
-    with suppress(OSError, ValueError, AttributeError):  # no lock, or one being written
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": None}
-        if refusal := in_use(folder / LOCK, json.loads((folder / LOCK).read_text()), me):
-            raise UserError(refusal)  # before Hydra writes its .hydra/ files and train.log there
-    if not train and (folder / "metrics.jsonl").is_file() and trained_in(folder):
-        raise UserError(
-            f"{folder} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), "
-            "which an evaluation (train=false) would replace with its own: give it a folder of "
-            "its own (hydra.run.dir=...); ckpt_path can stay where it is."
-        )
-
-
-def trained_in(folder: Path) -> bool:
-    """Whether `folder` holds a training run's records (an evaluation's may be replaced)."""
-    try:
-        return OmegaConf.load(folder / "config_resolved.yaml").get("train", True) is not False
-    except (OSError, OmegaConfBaseException):
-        return True
 
 
 class RunFolderCheck(Callback):
@@ -259,8 +232,7 @@ class RunFolderCheck(Callback):
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
         try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
             folder = OmegaConf.select(config, "hydra.run.dir")
-            train = OmegaConf.select(config, "train", default=True) is not False
-            check_run_folder(Path(str(folder)).expanduser().absolute(), train)
+            check_run_folder(Path(str(folder)).expanduser().absolute())
         except OmegaConfBaseException:
             return
         except UserError as err:
