@@ -207,10 +207,9 @@ class IDX(FixedSize):
         return find_idx_folder(self.root, self.torchvision_class) is not None
 
     def missing(self, reason: str) -> UserError:
-        names = [name for pair in IDX_FILES.values() for name in pair]
-        for folder in (self.root, self.root / self.torchvision_class / "raw"):
-            lacking = [name for name in names if not find_file(folder, name)]
-            if 0 < len(lacking) < len(names):  # some of the four are there: name the others
+        for folder in idx_folders(self.root, self.torchvision_class):
+            lacking = idx_files_lacking(folder)
+            if 0 < len(lacking) < 4:  # some of the four are there: name the others
                 return UserError(
                     f"{folder} lacks {', '.join(lacking)} (gzipped or not) of the four "
                     f"{self.torchvision_class} IDX files, and {reason}. Put the missing "
@@ -282,12 +281,19 @@ def find_file(folder: Path, name: str) -> Path | None:
     return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
 
 
+def idx_folders(root: Path, torchvision_class: str) -> tuple[Path, Path]:
+    """Where the four IDX files may be: `root` itself, or torchvision's `root/<Class>/raw`."""
+    return root, root / torchvision_class / "raw"
+
+
+def idx_files_lacking(folder: Path) -> list[str]:
+    """The names of the four IDX files that `folder` does not hold (gzipped or not)."""
+    return [name for names in IDX_FILES.values() for name in names if not find_file(folder, name)]
+
+
 def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
-    """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
-    for folder in (root, root / torchvision_class / "raw"):
-        if all(find_file(folder, name) for names in IDX_FILES.values() for name in names):
-            return folder
-    return None
+    """The folder holding all four files, of `idx_folders`."""
+    return next((f for f in idx_folders(root, torchvision_class) if not idx_files_lacking(f)), None)
 
 
 class Converted(Dataset):

@@ -98,8 +98,8 @@ def check_same_on_every_rank(process: Any, metrics: dict[str, Any]) -> None:
     value alone and split the ranks on the best epoch (each waiting on the others until the
     timeout). From the same summed sums they agree to float64 rounding (1e-9 is far above it)."""
     ranks = process.all_gather_object(metrics)
-    for name in dict.fromkeys(n for metrics in ranks for n in metrics):
-        values = [metrics.get(name) for metrics in ranks]
+    for name in dict.fromkeys(n for theirs in ranks for n in theirs):
+        values = [theirs.get(name) for theirs in ranks]
         if not all(same(value, values[0]) for value in values):
             shown = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(values))
             raise UserError(
