@@ -16,6 +16,7 @@ class Classification:
     the plain cross-entropy, so runs with and without it compare on one scale."""
 
     modes = {"loss": "min", "acc": "max"}
+    bounds = {"loss": (0, None), "acc": (0, 1)}  # a value outside: the sums broke the contract
 
     def __init__(self, label_smoothing: float = 0.0):
         if not 0 <= label_smoothing < 1:
@@ -68,6 +69,7 @@ class Regression:
     mean absolute error. `target=input` learns the (normalised) input itself: an autoencoder."""
 
     modes = {"loss": "min", "mae": "min"}
+    bounds = {"loss": (0, None), "mae": (0, None)}
 
     def __init__(self, target: str = "target"):
         if target not in ("target", "input"):

@@ -291,6 +291,11 @@ def single_run(tmp_path: Path) -> Path:
     return dirs[0]
 
 
+def files(folder: Path) -> dict[Path, bytes]:
+    """Every file under `folder`, by its path there, with its bytes."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl split into training lines and evaluation lines: a validation after each
     epoch, then the one test."""

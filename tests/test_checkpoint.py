@@ -20,6 +20,7 @@ from conftest import (
     WEIGHT_ATOL,
     assert_same_training,
     defaults_for_tests,
+    files,
     last,
     load,
     metric_lines,
@@ -572,6 +573,28 @@ def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind
     assert not (tmp_path / "ran").exists(), "the file's command ran"
 
 
+def test_an_evaluation_into_a_training_runs_folder_is_refused_and_changes_nothing(
+    tmp_path, tiny_data, saved
+):
+    """train=false ckpt_path=<run>/checkpoints/best.pt hydra.run.dir=<run> would replace the run's
+    metrics.jsonl and config with the evaluation's: refused, and the folder as it was (Hydra's
+    .hydra/ files put back, train.log without the refused run's lines). An evaluation's own folder
+    is evaluated into again (its records replaced)."""
+    run_dir = saved.parent.parent
+    records = files(run_dir)
+    evaluate = ["logger=none", f"data.root={tiny_data}", "train=false", f"ckpt_path={saved}"]
+    result = train([*evaluate, f"hydra.run.dir={run_dir}"], tmp_path)
+    said = (
+        f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), which "
+        "an evaluation (train=false) would replace with its own: give it a folder of its own "
+        "(hydra.run.dir=...); ckpt_path can stay where it is."
+    )
+    assert result.returncode == 1 and said in printed(result), printed(result)
+    assert files(run_dir) == records
+    for _ in range(2):
+        ok(train([*evaluate, f"hydra.run.dir={tmp_path / 'evaluated'}"], tmp_path))
+
+
 @pytest.mark.parametrize("given", ["init_from", "train=false ckpt_path"])
 def test_non_finite_weights_to_start_from_or_evaluate_are_named(tmp_path, tiny_data, saved, given):
     """Not a diverged loss ("try a lower optimizer.lr") nor chance-level figures and exit 0: the
@@ -670,7 +693,7 @@ def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_ca
         "reached: 8 optimizer steps done)." in printed(result)
     )
     assert last(run_dir)["progress"]["step"] == 8 and len(read_metrics(run_dir)[0]) == 8
-    checkpoint = run_dir / "checkpoints" / "last.pt"
+    checkpoint, records = run_dir / "checkpoints" / "last.pt", files(run_dir)
     for override, message in {
         "optimizer=adam": f"{checkpoint} was trained with torch.optim.SGD, and this config's "
         "optimizer is torch.optim.Adam: its state cannot continue in another optimizer. Resume "
@@ -685,7 +708,14 @@ def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_ca
         result = train([*common, "trainer.epochs=3", override], tmp_path)
         assert result.returncode == 1 and message in printed(result), printed(result)
         assert "Traceback" not in printed(result)
-    assert last(run_dir)["progress"]["step"] == 8
+    # Refused before it began: the folder as it was (Hydra's .hydra/ files put back, train.log
+    # without the refused runs' lines); into a new folder, no folder left and no best.pt copied.
+    assert files(run_dir) == records
+    elsewhere = tmp_path / "elsewhere" / "run"
+    refused = [*common, f"hydra.run.dir={elsewhere}", f"resume={checkpoint}", "optimizer=adam"]
+    result = train(refused, tmp_path)
+    assert result.returncode == 1 and "was trained with torch.optim.SGD" in printed(result)
+    assert not elsewhere.parent.exists()
 
 
 def test_a_mid_epoch_resume_with_another_batch_size_continues_at_the_same_image(

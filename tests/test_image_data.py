@@ -318,16 +318,18 @@ def test_class_names_of_another_length_than_the_classes_found_are_refused(tmp_pa
 
 @pytest.mark.slow
 def test_a_bad_image_stops_every_ddp_rank_at_once_with_its_name(tmp_path):
-    """Found by the one process that decodes the images; both ranks stop before training, and
-    torchrun's report quotes the sentence once (rank 0's, the root cause; rank 1 points to it).
-    No cache file is written."""
+    """Found by the one process that decodes the images; both ranks stop before training: rank 0
+    says the sentence after the run's log, and torchrun's report quotes it once (rank 0's, the
+    root cause; rank 1 points to it). No cache file is written."""
     root = bad(tmp_path, "truncated")
     result = train(["data=image_folder", f"data.root={root}", "logger=none", "parallel=ddp",
                     "data.val_size=2"], tmp_path, nproc=2)  # fmt: skip
     assert result.returncode != 0
     text = printed(result)
-    assert text.count("train/a/002.png could not be read as an image") == 1
-    other_ranks = text.split("Root Cause")[0]
+    said, report = text.split("FAILED\n")  # the workers' output, then torchrun's report
+    assert said.count("train/a/002.png could not be read as an image") == 1
+    assert report.count("train/a/002.png could not be read as an image") == 1
+    other_ranks = report.split("Root Cause")[0]
     assert "stopped: local rank 0 failed first, with the same mistake" in other_ranks
     assert "[rank0]" not in text and "[rank1]" not in text  # no worker's traceback
     assert not list(root.glob(".*cache*")) and not list(root.rglob("*.partial"))

@@ -28,6 +28,7 @@ import pytest
 from conftest import (
     assert_same_training,
     compose_config,
+    files,
     last,
     load,
     ok,
@@ -417,8 +418,12 @@ def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lo
         "folder of its own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
         f"running, delete {lock}."
     )
+    hydra_files = files(run_dir / ".hydra")
     alone = train([*overrides, *RUN, "optimizer.lr=0.5"], tmp_path / "second")
-    group = train([*overrides, *RUN, "parallel=ddp"], tmp_path / "group", nproc=2)
+    group = train([*overrides, *RUN, "parallel=ddp", "optimizer.lr=0.5"], tmp_path / "g", nproc=2)
+    # Nothing written there, alone or under torchrun: the first run's .hydra/, its own train.log.
+    assert files(run_dir / ".hydra") == hydra_files
+    assert (run_dir / "train.log").read_text().count("Run folder:") == 1
     for result in (alone, group):
         assert result.returncode != 0 and refused in printed(result), printed(result)
     assert "Traceback" not in printed(alone), printed(alone)
@@ -429,12 +434,12 @@ def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lo
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     assert json.loads(lock.read_text())["pid"] == first.pid  # left behind
+    # The same command again, to fewer steps than its last.pt holds: it takes the folder over,
+    # has nothing left to train, and tests the weights.
     result = ok(
-        train(
-            [*overrides, *RUN, "train=false", "ckpt_path=" + str(run_dir / "checkpoints/last.pt")],
-            tmp_path / "third",
-        )
-    )
+        train([*overrides, *RUN, "data.batch_size=8", "trainer.epochs=1000", "trainer.max_steps=1"],
+              tmp_path / "third")
+    )  # fmt: skip
     assert (
         f"{lock} was left by a run that ended without removing it (process {first.pid} on "
         f"{host}): this run takes the folder over" in printed(result)

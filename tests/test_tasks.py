@@ -40,6 +40,7 @@ from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.loop import train_step
 from src.engine.core.state import Parts
+from src.engine.core.task import check_bounds
 from src.engine.errors import UserError
 from src.engine.guards.checks import check_count
 from src.engine.parallel import Process
@@ -222,6 +223,38 @@ def test_classification_keeps_the_contract():
         task.check(outputs, inputs, targets.float())
     with pytest.raises(UserError, match=r"output is \(4, 3\) for targets of \(4, 1\), so it "):
         task.check(outputs, inputs, targets[:, None])
+
+
+@pytest.mark.unit
+def test_metrics_outside_the_tasks_bounds_break_the_contract():
+    """A metric of two samples' sums outside the task's `bounds` is refused before training: an
+    accuracy in percent (100 for two right predictions), a mean absolute error that is negative.
+    The template's tasks, kept, are within them."""
+
+    class PercentAccuracy(Classification):
+        def metrics(self, sums):
+            return {**super().metrics(sums), "acc": 100 * sums["correct"] / sums["count"]}
+
+    class SignedError(Regression):
+        def sums(self, outputs, inputs, targets):
+            return {**super().sums(outputs, inputs, targets), "mae": outputs - targets}
+
+    inputs, targets = torch.zeros(2, 3), torch.tensor([0, 2])
+    outputs = F.one_hot(targets, 3).float()  # both right
+    check_bounds(Classification(), outputs, inputs, targets)
+    with pytest.raises(UserError) as refused:
+        check_bounds(PercentAccuracy(), outputs, inputs, targets)
+    assert str(refused.value) == (
+        "The task's metrics(sums) give acc=100 for two training samples, outside its bounds (0 to "
+        "1): sums() must return each batch's terms summed over what count() counts, and metrics() "
+        "divide those sums by sums['count'] (the task contract, src/engine/core/task.py)."
+    )
+    values = torch.tensor([[1.0], [2.0]])
+    check_bounds(Regression(), values - 3, inputs, values)
+    with pytest.raises(
+        UserError, match=r"^The task's metrics\(sums\) give mae=-3 for two .* \(0 to ∞\)"
+    ):
+        check_bounds(SignedError(), values - 3, inputs, values)
 
 
 @pytest.mark.unit

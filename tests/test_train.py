@@ -123,16 +123,18 @@ def test_dp_without_gpus_warns_once_and_trains_like_none(tmp_path, tiny_data):
 
 
 def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
-    """Every rank finds the mistake; torchrun's report quotes it once, as rank 0's, its root
-    cause, and the other rank's entry points to it."""
+    """Every rank finds the mistake; rank 0 says it after the run's log, torchrun's report quotes
+    it once, as rank 0's, its root cause, and the other rank's entry points to it."""
     result = train(
         [f"data.root={tiny_data}", "logger=none", "parallel=ddp", "data.batch_size=63"],
         tmp_path,
         nproc=2,
     )
     assert result.returncode != 0
-    assert printed(result).count("data.batch_size=63 does not divide over 2 processes") == 1
-    other, root_cause = printed(result).split("Root Cause")
+    said, report = printed(result).split("FAILED\n")  # the workers' output, torchrun's report
+    for text in (said, report):
+        assert text.count("data.batch_size=63 does not divide over 2 processes") == 1, text
+    other, root_cause = report.split("Root Cause")
     assert "rank      : 0 (local_rank: 0)" in root_cause and "does not divide" in root_cause
     assert "stopped: local rank 0 failed first, with the same mistake (the root cause)" in other
 

@@ -9,7 +9,8 @@ import logging
 import math
 import os
 import warnings
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,14 @@ def build_strategy(node: Any) -> Strategy:
     return typed(cls, {k: v for k, v in node.items() if k != "_target_"}, "parallel")
 
 
-def logged(
-    cfg: DictConfig, settings: Settings, run_dir: Path, process: Process, resumed: tuple | None
-) -> AbstractContextManager[MetricsLogger | None]:
-    """config_resolved.yaml written and printed, then the main process's logger (metrics.jsonl and
-    `cfg.logger`'s tracker, continuing `resumed`)."""
+@contextmanager
+def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[MetricsLogger | None]:
+    """The run begins, every check passed: what Hydra wrote in its folder stays, the `resumed`
+    run's best.pt is taken, config_resolved.yaml written and printed, and the main process's logger
+    opened (metrics.jsonl and `cfg.logger`'s tracker, continuing `resumed`)."""
+    settings, process, run_dir = run.settings, run.process, run.run_dir
+    storage.admit()
+    checkpoint.take_best(resumed, run_dir, process)
     path, text = run_dir / "config_resolved.yaml", OmegaConf.to_yaml(settings.config)
 
     def write() -> None:
@@ -130,13 +134,15 @@ def logged(
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
-    return open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None)
+    with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
+        if run.checkpointer:  # its checkpoints name the wandb run that a resume continues
+            run.checkpointer.metadata["wandb_id"] = logger and logger.run_id
+        yield logger
 
 
-def build_run(
-    cfg: DictConfig, settings: Settings, process: Process, logger: Any, run_dir: Path
-) -> Run:
-    """The run's context: its data (checked for training), its logger, its hooks in order."""
+def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:
+    """The run's context: its data (checked for training), its hooks in order; the logger comes
+    once the run begins (`logged`)."""
     trainer = settings.trainer
     if settings.train:
         check_accumulation(trainer, cfg.data.batch_size, process.world_size)
@@ -147,7 +153,7 @@ def build_run(
     if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
         hooks.append(drift.DriftGuard(every))
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
-    run = Run(process, settings, data, logger, hooks=Hooks(hooks), run_dir=run_dir)
+    run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
         drift.check_first_batch(data, process)
         check_count(run)
@@ -210,7 +216,7 @@ def build_parts(
     }
     if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
         parts["task"] = run.task
-    metadata = {"config": run.settings.config, "wandb_id": run.logger and run.logger.run_id}
+    metadata = {"config": run.settings.config, "wandb_id": None}  # the run's, once it begins
     saver = Checkpointer(policy, run.run_dir, process, strategy, parts, metadata, resumed)
     return Parts(model, optimizer, schedule, scaler), progress, saver
 

@@ -314,29 +314,39 @@ def starting_point(
     if paths.init_from:
         log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
     state = load(path, process, settings.parallel)
-    state["progress"]["best"] = _best_pt_beside(path, state["progress"], run_dir, process)
     check_changes(state.get("config"), settings.config, path)
+    state["progress"]["best"] = _best_pt_beside(path, state["progress"], run_dir, process)
     return (path, state), (path, state)
 
 
 def _best_pt_beside(path: Path, progress: dict, run_dir: Path, process: Process) -> dict | None:
-    """The record of its best epoch that the checkpoint at `path` holds, with that epoch's best.pt
-    in this run's folder (copied from beside `path`); without one, the best starts afresh."""
+    """The record of its best epoch that the checkpoint at `path` holds, if that epoch's best.pt
+    lies beside `path` or in this run's folder (`take_best` copies it there); else None."""
     best = progress.get("best")
     if not best or best["epoch"] is None:
         return best
-    target, found, fault = run_dir / "checkpoints" / "best.pt", None, None
-    if process.is_main:
-        source = path.parent / "best.pt"
-        if source.is_file() and source.resolve() != target.resolve():
-            fault = storage.attempt(lambda: _copy(source, target), target)
-        if not (found := target.is_file()):
-            log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
-                        "so far starts afresh.", path, best["epoch"])  # fmt: skip
-    found, fault = process.broadcast_object((found, fault))
-    if fault:
-        raise storage.stopped(fault, run_dir, None, (path, progress["step"]))
+    if not (found := process.broadcast_object(_best_pts(path, run_dir)[0].is_file())):
+        log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
+                    "so far starts afresh.", path, best["epoch"])  # fmt: skip
     return best if found else None
+
+
+def _best_pts(path: Path, run_dir: Path) -> tuple[Path, Path]:
+    """The best.pt beside the checkpoint at `path` (or this run's), and where this run keeps it."""
+    source, target = path.parent / "best.pt", run_dir / "checkpoints" / "best.pt"
+    return source if source.is_file() else target, target
+
+
+def take_best(resumed: tuple | None, run_dir: Path, process: Process) -> None:
+    """The resumed checkpoint's best.pt copied into this run's folder, once the run has begun."""
+    if not resumed or not resumed[1]["progress"].get("best"):
+        return
+    (path, state), fault = resumed, None
+    source, target = _best_pts(path, run_dir)
+    if process.is_main and source.is_file() and source.resolve() != target.resolve():
+        fault = storage.attempt(lambda: _copy(source, target), target)
+    if fault := process.broadcast_object(fault):
+        raise storage.stopped(fault, run_dir, None, (path, state["progress"]["step"]))
 
 
 def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | None:

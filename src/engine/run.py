@@ -42,13 +42,14 @@ def train(
         with Interrupts(process, when) as interrupts:
             run_dir = shared_run_dir(process, run_dir)
             log.info("Run folder: %s", run_dir)
-            with storage.held(run_dir, process):  # one run per folder
+            with storage.held(run_dir, process, settings.train):  # one run per folder
                 resumed, weights = checkpoint.starting_point(settings, run_dir, process)
-                with logged(cfg, settings, run_dir, process, resumed) as logger:
-                    run = build_run(cfg, settings, process, logger, run_dir)
-                    model = build_model(cfg, run, weights)
+                run = build_run(cfg, settings, process, run_dir)  # the data, checked
+                model = build_model(cfg, run, weights)
+                if settings.train:
+                    parts, progress, run.checkpointer = build_parts(cfg, run, model, resumed)
+                with logged(cfg, run, resumed) as run.logger:  # all checked: the run begins
                     if settings.train:
-                        parts, progress, run.checkpointer = build_parts(cfg, run, model, resumed)
                         fitted = fit(run, parts, progress)
                         result = fitted.best and fitted.best.value
                         interrupts.when = (  # for a signal now
@@ -59,6 +60,9 @@ def train(
                         fitted, result = evaluate_weights(run, model, weights)
                     test(run, model, fitted)  # once, at the end
                     plots.finish(run, model, fitted.step, settings.config["plots"])
+    except BaseException:
+        storage.restore()  # refused before it began: its folder as it was (else nothing to do)
+        raise
     finally:
         teardown()
     return result

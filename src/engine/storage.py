@@ -10,13 +10,15 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from src.engine.errors import UserError
@@ -31,6 +33,8 @@ DENIED = "permission is denied"
 READ_ONLY = {errno.EROFS: "the file system is read-only", errno.EACCES: DENIED, errno.EPERM: DENIED}
 GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
 LOCK = "run.lock"  # in the run folder while a run holds it: its process id and host
+KEPT = "TRAIN_KEPT"  # names the file of what a run folder held before Hydra wrote in it
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # in its hydra.output_subdir
 
 
 class Fault(NamedTuple):
@@ -148,13 +152,20 @@ def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -
 
 
 @contextmanager
-def held(run_dir: Path, process: Process) -> Iterator[None]:
+def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
     """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
-    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken."""
+    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken. An
+    evaluation is refused a training run's folder, whose records it would replace."""
     lock, refusal = run_dir / LOCK, None
     job = os.environ.get("TORCHELASTIC_RUN_ID")  # the same through torchrun's restarts
     me = {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
-    if process.is_main:
+    if process.is_main and not train and trained_in(run_dir):
+        refusal = (
+            f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), "
+            "which an evaluation (train=false) would replace with its own: give it a folder of "
+            "its own (hydra.run.dir=...); ckpt_path can stay where it is."
+        )
+    elif process.is_main:
         try:
             refusal = _take(lock, me)
         except OSError as err:
@@ -182,28 +193,44 @@ def _take(path: Path, me: dict) -> str | None:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):  # removed meanwhile, or being written: look again
                 continue
-        # Alive unless an earlier attempt of this torchrun job, or a process gone from this machine.
-        alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
-        if alive and holder.get("host") == me["host"]:
-            try:
-                os.kill(int(holder["pid"]), 0)
-            except ProcessLookupError:
-                alive = False
-            except (PermissionError, KeyError, TypeError, ValueError):
-                pass  # another user's process, or a lock this code did not write
-        who = f"process {holder.get('pid')} on {holder.get('host')}"
-        if alive:
-            return (
-                f"{path.parent} is in use by another run ({who}): give this run a folder of its "
-                "own (hydra.run.dir=...), or wait for that one to end. If it is no longer "
-                f"running, delete {path}."
-            )
+        if refusal := in_use(path, holder, me):
+            return refusal
         logging.getLogger(__name__).warning(
-            f"{path} was left by a run that ended without removing it ({who}): this run takes the "
-            "folder over"
+            f"{path} was left by a run that ended without removing it (process "
+            f"{holder.get('pid')} on {holder.get('host')}): this run takes the folder over"
         )
         path.unlink(missing_ok=True)
     return f"{path} keeps being taken by other runs: give this run a folder of its own."
+
+
+def in_use(path: Path, holder: dict, me: dict) -> str | None:
+    """The sentence refusing the folder of the lock `path` that `holder` wrote, if it is alive:
+    not an earlier attempt of this torchrun job, nor a process gone from this machine."""
+    alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
+    if alive and holder.get("host") == me["host"]:
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            alive = False
+        except (PermissionError, KeyError, TypeError, ValueError):
+            pass  # another user's process, or a lock this code did not write
+    if not alive:
+        return None
+    return (
+        f"{path.parent} is in use by another run (process {holder.get('pid')} on "
+        f"{holder.get('host')}): give this run a folder of its own (hydra.run.dir=...), or wait "
+        f"for that one to end. If it is no longer running, delete {path}."
+    )
+
+
+def trained_in(folder: Path) -> bool:
+    """Whether `folder` holds a training run's records (an evaluation's may be replaced)."""
+    if not (folder / "metrics.jsonl").is_file():
+        return False
+    try:
+        return OmegaConf.load(folder / "config_resolved.yaml").get("train", True) is not False
+    except (OSError, OmegaConfBaseException):
+        return True
 
 
 def check_run_folder(folder: Path) -> None:
@@ -226,14 +253,83 @@ def check_run_folder(folder: Path) -> None:
 
 
 class RunFolderCheck(Callback):
-    """Checks the run folder before Hydra makes it (conf/config.yaml's hydra.callbacks). Hydra turns
-    a callback's exception into a warning and goes on, so a bad folder ends the process here."""
+    """The run folder before Hydra writes in it (conf/config.yaml's hydra.callbacks): checked (Hydra
+    turns a callback's exception into a warning and goes on, so a bad folder ends the process
+    here); nothing written there while another run uses it; else its files kept (`keep`) for a run
+    refused before it begins to put back (`restore`)."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
+        if int(os.environ.get("RANK", 0)) > 0:  # a torchrun rank that writes nothing of its own
+            return
         try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
-            folder = OmegaConf.select(config, "hydra.run.dir")
-            check_run_folder(Path(str(folder)).expanduser().absolute())
+            folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).expanduser().absolute()
+            check_run_folder(folder)
         except OmegaConfBaseException:
             return
         except UserError as err:
             raise SystemExit(str(err)) from None  # printed, exit status 1
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        me["torchrun_job"] = os.environ.get("TORCHELASTIC_RUN_ID")
+        with suppress(OSError, ValueError, AttributeError):  # no lock, or one being written
+            if in_use(folder / LOCK, json.loads((folder / LOCK).read_text()), me):
+                hydra = config.hydra
+                with read_write(hydra), open_dict(hydra):  # held() refuses it on every rank
+                    hydra.output_subdir = None
+                    for name, handler in (hydra.job_logging.get("handlers") or {}).items():
+                        if "filename" in handler:  # its log, which that run appends to
+                            hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
+                return
+        with suppress(OSError, ValueError):  # a .hydra/ file unreadable: not put back
+            keep(folder, config)
+
+    def on_run_end(self, config, job_return, **kwargs) -> None:  # noqa: ANN001
+        if job_return.status == JobStatus.COMPLETED:
+            admit()
+        else:  # refused in this process, as a self-launched run's parent may be
+            restore()
+
+
+def keep(folder: Path, config: DictConfig) -> None:
+    """Note what of `folder` Hydra is about to write (its `.hydra/` files, its log) as it stands,
+    in a file named by $TRAIN_KEPT, which the run's processes inherit."""
+    subdir, log = config.hydra.output_subdir, f"{config.hydra.job.name}.log"
+    names = [f"{subdir}/{name}" for name in HYDRA_FILES] if subdir else []
+    files = {n: (folder / n).read_bytes().decode() for n in names if (folder / n).is_file()}
+    files |= {n: None for n in names if n not in files}  # none yet: removed
+    made = [folder / subdir] if subdir else []
+    made = [p for p in [*made, folder, *folder.parents] if not p.exists()]
+    size = (folder / log).stat().st_size if (folder / log).is_file() else None
+    kept = {"folder": str(folder), "files": files, "log": [log, size], "made": list(map(str, made))}
+    descriptor, path = tempfile.mkstemp(prefix="train-kept-", suffix=".json")
+    with os.fdopen(descriptor, "w") as file:
+        json.dump(kept, file)
+    os.environ[KEPT] = path
+
+
+def admit() -> None:
+    """The run begins: what Hydra wrote in its folder stays (on rank 0)."""
+    if os.environ.get("RANK", "0") == "0" and (path := os.environ.pop(KEPT, None)):
+        Path(path).unlink(missing_ok=True)
+
+
+def restore() -> None:
+    """The folder of a run refused before it began (`admit`) as it was (on rank 0): Hydra's files
+    put back, or removed with the folders made for them."""
+    if os.environ.get("RANK", "0") != "0" or not (path := os.environ.pop(KEPT, None)):
+        return
+    with suppress(OSError, ValueError):  # admitted in another process (its workers), or gone
+        kept = json.loads(Path(path).read_text())
+        Path(path).unlink()
+        folder = Path(kept["folder"])
+        for name, text in kept["files"].items():
+            if text is None:
+                (folder / name).unlink(missing_ok=True)
+            else:
+                (folder / name).write_bytes(text.encode())
+        log, size = kept["log"]
+        if size is None:
+            (folder / log).unlink(missing_ok=True)
+        else:
+            os.truncate(folder / log, size)
+        for made in map(Path, kept["made"]):  # the innermost first; one holding files stays
+            made.rmdir()

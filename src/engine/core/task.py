@@ -22,7 +22,10 @@ any importable file. The engine (order, ranks, precision, checkpoints) asks it f
 
 and, where it has them, `modes` (a class attribute: each metric's name, and whether a higher
 (`max`) or a lower (`min`) value is better; checked against `checkpoint.monitor` before training,
-it sets `checkpoint.mode` where that is null), `check(outputs, inputs, targets)` (a sentence
+it sets `checkpoint.mode` where that is null), `bounds` (a class attribute: each metric's lowest
+and highest value, None for no bound; the metrics of two samples' sums are checked against them
+before training, so that an accuracy above 1 shows a broken contract), `check(outputs, inputs,
+targets)` (a sentence
 for targets the task cannot take) and `captions(outputs, targets, class_names)` (what
 `predictions.png` writes under each input image; a task without it draws no predictions).
 """
@@ -107,6 +110,8 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         )
     if torch.is_tensor(outputs):
         check_sums(task, outputs, inputs, targets, float(loss))
+    if getattr(task, "bounds", None):
+        check_bounds(task, outputs, inputs, targets)
 
 
 def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, loss: float) -> None:
@@ -133,3 +138,22 @@ def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, los
             "global count (the task contract, src/engine/core/task.py).",
             every_rank=True,
         )
+
+
+def check_bounds(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
+    """The metrics of two samples' sums (added up in float64 as evaluation adds them) lie within
+    the task's `bounds`: an accuracy above 1, a negative loss, show sums that are not summed over
+    the terms `count` counts, or metrics that do not divide by it."""
+    batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+    sums = {k: torch.as_tensor(v).detach().cpu().double().sum().item() for k, v in batch.items()}
+    for name, value in task.metrics(sums).items():
+        low, high = task.bounds.get(name, (None, None))
+        if low is not None and value < low or high is not None and value > high:
+            within = f"{'-∞' if low is None else low} to {'∞' if high is None else high}"
+            raise UserError(
+                f"The task's metrics(sums) give {name}={value:.6g} for two training samples, "
+                f"outside its bounds ({within}): sums() must return each batch's terms summed "
+                "over what count() counts, and metrics() divide those sums by sums['count'] (the "
+                "task contract, src/engine/core/task.py).",
+                every_rank=True,
+            )

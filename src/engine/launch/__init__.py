@@ -35,6 +35,7 @@ LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
 # Quietened while workers run (each has its level): failures are told once below, signals by them.
 LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _legacy_launcher = False
+_self_launched = False  # a worker of `start_workers`, whose failure its parent reports
 
 
 class WorkerFailed(CompactHydraException):
@@ -95,6 +96,8 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
 
 def _worker(train: tuple, config: dict, run_dir: str, job_logging: dict, threads: int) -> Any:
     """One self-launched DDP process, in torchrun's environment: `train` (module, name) on it."""
+    global _self_launched
+    _self_launched = True
     if os.environ["RANK"] == "0":
         logging.config.dictConfig(job_logging)
     else:
@@ -128,9 +131,12 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     try:
         return train(*args)
     except CompactHydraException as err:
-        if isinstance(err, Stopped):  # torchrun, stopped too, reports nothing
+        others = getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0"
+        if isinstance(err, Stopped) or not (_self_launched or others):
+            # Said here, after the run's log: torchrun's report, which quotes it at its end, is
+            # 30 lines and more (Stopped: torchrun, stopped too, reports nothing).
             print(err, file=sys.stderr)
-        if getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
+        if others:
             # Told by local rank 0 alone (torchrun quotes each failed rank): the others record being
             # stopped, after rank 0's failure, the root cause; not stopped in 5 s, they tell it too.
             stop = "stopped: local rank 0 failed first, with the same mistake (the root cause)"

@@ -17,7 +17,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.engine import checkpoint, launch, parallel
+from src.engine import checkpoint, launch, parallel, storage
 from src.engine.build import build_model, build_parts, build_strategy, instantiated, read_settings
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Settings
@@ -89,6 +89,7 @@ def check(cfg: DictConfig) -> None:
             f"trainer.precision={own})."
         )
     group, micro = group_of(cfg, settings), micro_batches(cfg, settings)
+    storage.admit()  # its verdict's log stays in the run folder, pass or fail
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
     device, mode = "cuda" if gpus else "cpu", build_strategy(group).name
     in_what = (
