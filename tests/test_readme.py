@@ -8,6 +8,7 @@ too) and tests/test_scaling.py.
 import re
 import shlex
 import sys
+import time
 
 import pytest
 from conftest import (
@@ -118,6 +119,10 @@ def test_readme_slurm_command_composes():
 def test_readme_checkpoint_commands_run_in_order(tmp_path, tiny_data):
     assert len(SEQUENCE) == 5
     for command in SEQUENCE:
+        # A new second, as between commands typed by hand: the runs without hydra.run.dir get a
+        # folder of their own (${now:%H-%M-%S}); the evaluation would be refused the folder of
+        # the run trained just before it in the same second.
+        time.sleep(1 - time.time() % 1)
         run_readme_command(command, tmp_path, tiny_data)
     assert (tmp_path / "outputs" / "my-run" / "checkpoints" / "best.pt").is_file()
 

@@ -199,18 +199,14 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
 
 
 def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
-    """A sweep with a job that fails once its wandb run has started (its data leaves nothing to
-    train on): the others complete, the failure is reported, wandb finished. A process of its
-    own: the sweep's summary of a failed sweep is printed as the process exits."""
+    """A sweep with a job that fails once its wandb run has started (a rate so large that its
+    loss is not finite): the others complete, the failure is reported, wandb finished. A
+    process of its own: the sweep's summary of a failed sweep is printed as the process exits."""
     env = offline_env(HOME=str(tmp_path))
-    result = train(
-        ["-m", f"data.root={tiny_data}", "trainer.max_steps=2", "data.val_size=50,250"],
-        tmp_path,
-        env=env,
-        own_process=True,
-    )
+    sweep = ["optimizer.lr=0.01,1e30", "trainer.max_steps=3", "trainer.log_every_n_steps=1"]
+    result = train(["-m", f"data.root={tiny_data}", *sweep], tmp_path, env=env, own_process=True)
     assert result.returncode != 0
-    assert "data.val_size=250 leaves no training images" in result.stderr
+    assert "Stopped: the training loss was not finite at step" in result.stderr
     jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
     good, bad = jobs
