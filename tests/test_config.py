@@ -13,6 +13,7 @@ from conftest import (
     REPO,
     compose_config,
     ok,
+    printed,
     read_metrics,
     readme_commands,
     run,
@@ -395,6 +396,8 @@ STAND_IN = [torch.zeros(1, requires_grad=True)]  # a parameter to build an optim
         ("+optimizer.foo=1", "optimizer", r"^optimizer: torch.optim.SGD does not take these keys "
          r"\(SGD.__init__\(\) got an unexpected keyword argument 'foo'\)"),
         ("+model.hiddn=3", "model", r"^model: src.models.MLP does not take these keys"),
+        ("~model.num_classes", "model", r"^model: src.models.MLP needs keys the config lacks "
+         r"\(.*missing 1 required .*'num_classes'\)\. Fix the model.\* keys"),
         ("model._target_=src.models.Nope", "model", r"^model._target_=src.models.Nope cannot be "
          "imported: check its module and class name"),
         ("task._target_=src.tasks.Nope", "task", r"^task._target_=src.tasks.Nope cannot be "
@@ -563,19 +566,42 @@ def test_debug_fast_and_overfit_compose():
 
 def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
     overrides = ["debug=overfit", "trainer.log_every_n_steps=1", "tags=[smoke,overfit]"]
-    ok(train([f"data.root={tiny_data}", *overrides], tmp_path))
+    result = ok(train([f"data.root={tiny_data}", *overrides], tmp_path))
     (run_dir,) = run_dirs(tmp_path)
     steps, _ = read_metrics(run_dir)
     assert steps[0]["train/loss"] > 1.0 and steps[-1]["train/loss"] < 0.05, steps[-1]
     saved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert (saved.task_name, list(saved.tags)) == ("train", ["smoke", "overfit"])
     assert not (run_dir / "checkpoints").exists()
+    # Its verdict, in a few lines: one "epoch N trained" line every 50 epochs, then passed.
+    output = printed(result)
+    assert output.count("trained in") == 4, output
+    assert re.search(r"debug=overfit passed: the training loss fell to \S+ after 200 steps on 32 "
+                     r"samples, below 0.05 \(debug.overfit_below\)\.", output)  # fmt: skip
+    # A rate too small to learn anything: failed, exit 1, with the loss reached.
+    failed = train([f"data.root={tiny_data}", "debug=overfit", "optimizer.lr=1e-9"], tmp_path)
+    assert failed.returncode == 1, printed(failed)
+    failure = r"debug=overfit failed: the training loss is \S+ after 200 steps on 32 samples, not "
+    assert re.search(failure + r"below 0.05 \(debug.overfit_below\)", printed(failed))
+
+
+def test_debug_fast_evaluates_a_few_batches_of_each_split(tmp_path, tiny_data):
+    """As Lightning's fast_dev_run: the validation and the test on their first images only
+    (data.eval_subset), in every mode alike."""
+    result = ok(train([f"data.root={tiny_data}", "debug=fast", "data.eval_subset=20"], tmp_path))
+    said = "Data: 200 training, 20 validation (data.val_size) and 20 test images of 1×28×28 from "
+    assert said in printed(result) and "(data.eval_subset=20: the first of each" in printed(result)
 
 
 @pytest.mark.slow
 def test_profile_writes_a_trace_of_the_steps(tmp_path, tiny_data):
-    ok(train([f"data.root={tiny_data}", "debug=profile"], tmp_path))
+    """The trace, one file per rank, and where it is with the ten costliest operations said;
+    no device error from the profiler on a CPU."""
+    result = ok(train([f"data.root={tiny_data}", "debug=profile"], tmp_path))
     (run_dir,) = run_dirs(tmp_path)
+    output = printed(result)
+    assert f"Trace of 5 steps in {run_dir / 'profile'}/, a file per rank" in output, output
+    assert "Self CPU time total" in output and "gpuGetDeviceCount" not in output, output
     (trace,) = (run_dir / "profile").glob("rank0.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}

@@ -33,6 +33,7 @@ from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count
 from src.engine.guards.signals import StopSignals
 from src.engine.logger import MetricsLogger, open_logger
 from src.engine.parallel import PROTOCOL, Process, Strategy
+from src.engine.tools.overfit import Overfit
 from src.engine.tools.profiler import Profiler
 from src.engine.tools.progress import ProgressBar
 from src.engine.tools.speed import Speed
@@ -153,6 +154,8 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
     if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
         hooks.append(drift.DriftGuard(every))
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
+    if (below := (settings.config.get("debug") or {}).get("overfit_below")) is not None:
+        hooks.append(Overfit(below))  # debug=overfit's verdict
     run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
         drift.check_first_batch(data, process)
@@ -298,10 +301,13 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         refused = (TypeError, ValueError, IndexError)  # IndexError: Adam's betas=[0.9]
         if not (signature or (values and isinstance(cause, refused))):
             raise
+        said = "refuses a value"
+        if signature:
+            missing = "missing" in str(cause)
+            said = "needs keys the config lacks" if missing else "does not take these keys"
         raise UserError(
-            f"{group}: {target} {'does not take these keys' if signature else 'refuses a value'} "
-            f"({first_line(cause)}). Fix the {group}.* keys (python train.py --cfg job shows "
-            "them).",
+            f"{group}: {target} {said} ({first_line(cause)}). Fix the {group}.* keys (python "
+            "train.py --cfg job shows them).",
             every_rank=True,
         ) from None
 

@@ -30,6 +30,7 @@ class Trainer(Checked):
     epochs: int = least(1, 1)  # passes over the training set
     max_steps: int | None = least(1, None, nullable=True)  # or stop after this many steps in all
     log_every_n_steps: int = least(1, 10)  # train/loss, grad_norm to metrics.jsonl every N steps
+    log_every_n_epochs: int = least(1, 1)  # the "epoch N trained" line every N epochs, and the last
     accumulate_grad_batches: int = least(1, 1)  # split each rank's batch into N micro-batches
     # null, or clip the gradients' global norm to this value before each optimizer step.
     gradient_clip_val: float | None = above(
@@ -110,6 +111,8 @@ class DataKeys(Checked):
     batch_size: int = least(1, 64)  # global batch per optimizer step; each rank takes its share
     test_batch_size: int = least(1, 1000)  # evaluation batch per process
     subset: int | None = least(1, None, nullable=True)  # or train on the first N images only
+    # or evaluate the first N images of the validation and test splits only (debug=fast)
+    eval_subset: int | None = least(1, None, nullable=True)
     val_size: Any = 5000  # images held out of train for validation, or a share (0.1); 0 = none
     # Which images are held out (not `seed`: every job and parallel mode validates on the same).
     split_seed: int = least(0, 0)

@@ -73,6 +73,7 @@ class Data:
         batch_size: int = 64,
         test_batch_size: int = 1000,
         subset: int | None = None,
+        eval_subset: int | None = None,
         seed: int = 0,
         val_size: int = 0,
         split_seed: int = 0,
@@ -111,6 +112,7 @@ class Data:
         self.workers = dict(num_workers=num_workers, pin_memory=pin_memory)
         self.workers["persistent_workers"] = persistent_workers and num_workers > 0
         self.loader, self.augment, self.subset, self.seed = loader, augment, subset, seed
+        self.eval_subset = eval_subset
         self.mean, self.std, self.num_classes = mean, std, num_classes
         self.class_names = list(class_names) if class_names else None
         self.batch_size, self.test_batch_size = batch_size, test_batch_size
@@ -160,10 +162,13 @@ class Data:
             targets = kind(self.target_dtype, self.target_shape)
             what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets {targets})"
         log.info(
-            "Data: %d training, %d validation (data.val_size) and %d test %s from %s",
+            "Data: %d training, %d validation (data.val_size) and %d test %s from %s%s",
             *(self.size(split) for split in ("train", "val", "test")),
             what,
             self.source,
+            f" (data.eval_subset={n}: the first of each split evaluated)"
+            if (n := self.eval_subset)
+            else "",
         )
         if self.rank == 0 and self.batch_size > self.size("train"):
             log.warning(
@@ -212,14 +217,17 @@ class Data:
         # Positions in the training split, drawn by split_seed alone; `subset` takes the first.
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.split_seed))
         self.train_index = order[self.val_size :].sort().values[: self.subset]
-        self.val_index = order[: self.val_size].sort().values
+        self.val_index = order[: self.val_size].sort().values[: self.eval_subset]
 
-        def cut(index: Tensor) -> Split:  # on the CPU: the device holds each image once
-            if isinstance(train, tuple):
-                return tuple(t.index_select(0, index).to(self.device) for t in train)
-            return Subset(train, index.tolist())
+        def cut(index: Tensor, split: Split = train) -> Split:  # on the CPU: held once
+            if isinstance(split, tuple):
+                return tuple(t.index_select(0, index).to(self.device) for t in split)
+            return Subset(split, index.tolist())
 
         self.train, self.val = cut(self.train_index), cut(self.val_index)
+        if self.eval_subset is not None:  # the first N test samples
+            count = len(test[1]) if isinstance(test, tuple) else len(test)
+            test = cut(torch.arange(min(self.eval_subset, count)), test)
         self.test = tuple(t.to(self.device) for t in test) if isinstance(test, tuple) else test
 
     def _describe(self) -> None:

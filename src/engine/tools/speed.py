@@ -42,10 +42,12 @@ class Speed(Hook):
             speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         speed["memory/state_mb"] = state = state_mb(self.parts, run.strategy.local)
         peak = speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"])
-        log.info(
-            f"epoch {progress.epoch} trained in {seconds:.2f} s ({images / seconds:.0f} images/s), "
-            f"peak memory {peak:.0f} MB (weights, gradients and optimizer state {state:.1f} MB)"
-        )
+        epoch = progress.epoch
+        if epoch % run.trainer.log_every_n_epochs == 0 or epoch == run.trainer.epochs:
+            log.info(  # metrics.jsonl gets every epoch's
+                f"epoch {epoch} trained in {seconds:.2f} s ({images / seconds:.0f} images/s), peak "
+                f"memory {peak:.0f} MB (weights, gradients and optimizer state {state:.1f} MB)"
+            )
         if run.logger:
             run.logger.log({**progress.record, **speed})
 
