@@ -433,6 +433,11 @@ def test_sharded_checkpoints_of_2_processes_resume_in_3(tmp_path, tiny_data):
     elsewhere = [*common, "parallel=fsdp", f"hydra.run.dir={tmp_path / 'elsewhere'}"]
     missing = train([*elsewhere, f"resume={moved}"], tmp_path, nproc=2)
     assert missing.returncode == 1 and "which is missing or incomplete" in printed(missing)
+    gathered = [*common, "parallel=fsdp", "trainer.epochs=2", f"hydra.run.dir={parts}"]
+    gathered = train(gathered, tmp_path, nproc=2)  # without checkpoint.sharded=true
+    assert gathered.returncode == 1
+    assert "checkpoint.sharded=false, and " in printed(gathered), printed(gathered)
+    assert "Resume with checkpoint.sharded=true, or start a new run" in printed(gathered)
     wider = train([*sharded, "trainer.epochs=2", "model.hidden=32"], tmp_path, nproc=2)
     assert wider.returncode == 1 and "another architecture than MLP" in printed(wider)
 

@@ -530,6 +530,13 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
             f"{optimizer[1]}: its state cannot continue in another optimizer. Resume with the "
             f"checkpoint's optimizer, or start from its weights with a fresh one: init_from={path}."
         )
+    if before.get("checkpoint.sharded") and not after.get("checkpoint.sharded"):
+        raise UserError(
+            f"checkpoint.sharded=false, and {path} was saved in shards (checkpoint.sharded=true): "
+            "resumed so, it would gather the whole model on rank 0 and leave its shards folder "
+            "unnamed. Resume with checkpoint.sharded=true, or start a new run from its weights: "
+            f"init_from={path}."
+        )
     for key in ("scheduler.interval", *FIXED):
         was, now = before.get(key), after.get(key)
         if key in before and was != now:
