@@ -196,6 +196,8 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
     assert summary["summary"]["best/val/acc"] == best["val/acc"]
     assert summary["summary"]["best/epoch"] == test["test/weights_epoch"] == best["epoch"]
     assert summary["config"]["data"]["batch_size"] == 64  # the resolved Hydra config
+    # Named by task_name and the command line's overrides, as Hydra recorded them.
+    assert summary["name"].startswith(f"train data.root={tiny_data} parallel=ddp "), summary["name"]
 
 
 def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
