@@ -10,7 +10,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,12 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, InterpolationKeyError, ValidationError
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 from torch import nn
 
 from src.engine import checkpoint, config, storage
@@ -133,12 +138,24 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
+        if "name" in cfg.logger and cfg.logger.name is None:  # a tracker's run named
+            given["name"] = run_name(settings.config, run_dir)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
         if run.checkpointer:  # its checkpoints name the wandb run that a resume continues
             run.checkpointer.metadata["wandb_id"] = logger and logger.run_id
         yield logger
+
+
+def run_name(config: dict[str, Any], run_dir: Path) -> str:
+    """A wandb run's name: `task_name`, then the command line's overrides, as Hydra recorded them
+    in the run folder (`.hydra/overrides.yaml`), Hydra's own left out."""
+    overrides: list = []
+    with suppress(OSError, OmegaConfBaseException):  # none recorded: the task's name alone
+        overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    shown = [o for o in map(str, overrides) if not o.startswith(("hydra.", "hydra/"))]
+    return " ".join([str(config.get("task_name") or "train"), *shown])[:128]
 
 
 def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:

@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from src.engine import storage
 from src.engine.parallel import Process
 
@@ -70,16 +67,6 @@ class MetricsLogger(AbstractContextManager):
         self.close(failed=exc_type is not None)
 
 
-def run_name(config: dict[str, Any], run_dir: Path) -> str:
-    """A wandb run's name: `task_name`, then the command line's overrides, as Hydra recorded them
-    in the run folder (`.hydra/overrides.yaml`), Hydra's own left out."""
-    overrides = []
-    with suppress(OSError, OmegaConfBaseException):  # none recorded: the task's name alone
-        overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
-    shown = [o for o in map(str, overrides) if not o.startswith(("hydra.", "hydra/"))]
-    return " ".join([str(config.get("task_name") or "train"), *shown])[:128]
-
-
 class WandbTracker:
     """One wandb run (a resumed `run_id`'s continued), its files in the run folder."""
 
@@ -100,7 +87,6 @@ class WandbTracker:
 
         self.run, self.image = None, wandb.Image  # Image: for log_images
         mode = wandb_mode(mode, default_base_url=wandb.Settings().base_url)
-        name = name or run_name(resolved_config, run_dir)
         names = {"project": project, "entity": entity, "name": name, "group": group, "id": run_id}
         with self._warned("wandb did not start (%s); logging to metrics.jsonl only."):
             self.run = wandb.init(
