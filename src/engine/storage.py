@@ -157,8 +157,7 @@ def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
     refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken. An
     evaluation is refused a training run's folder, whose records it would replace."""
     lock, refusal = run_dir / LOCK, None
-    job = os.environ.get("TORCHELASTIC_RUN_ID")  # the same through torchrun's restarts
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
+    me = holder_of_lock()
     if process.is_main and not train and trained_in(run_dir):
         refusal = (
             f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), "
@@ -179,6 +178,13 @@ def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
             with suppress(OSError):
                 if json.loads(lock.read_text()) == me:
                     lock.unlink()
+
+
+def holder_of_lock() -> dict:
+    """What this process writes into `run.lock`: its process id, its host, and its torchrun job
+    (the same through torchrun's restarts)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    return {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
 
 
 def _take(path: Path, me: dict) -> str | None:
@@ -268,10 +274,8 @@ class RunFolderCheck(Callback):
             return
         except UserError as err:
             raise SystemExit(str(err)) from None  # printed, exit status 1
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
-        me["torchrun_job"] = os.environ.get("TORCHELASTIC_RUN_ID")
         with suppress(OSError, ValueError, AttributeError):  # no lock, or one being written
-            if in_use(folder / LOCK, json.loads((folder / LOCK).read_text()), me):
+            if in_use(folder / LOCK, json.loads((folder / LOCK).read_text()), holder_of_lock()):
                 hydra = config.hydra
                 with read_write(hydra), open_dict(hydra):  # held() refuses it on every rank
                     hydra.output_subdir = None

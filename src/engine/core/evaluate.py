@@ -9,6 +9,7 @@ from torch import nn
 
 from src.engine.core.context import Run
 from src.engine.core.state import Best
+from src.engine.core.task import float64_sum
 from src.engine.errors import UserError
 from src.engine.logger import measured
 
@@ -117,10 +118,3 @@ def same(value: Any, other: Any) -> bool:
     if isinstance(value, (int, float)) and isinstance(other, (int, float)):
         return math.isclose(value, other, rel_tol=1e-9) or math.isnan(value) and math.isnan(other)
     return value == other
-
-
-def float64_sum(value: torch.Tensor | float) -> float:
-    """A batch's sum of `value`'s elements, in float64 on the CPU (MPS has no float64)."""
-    if not torch.is_tensor(value):
-        return float(value)
-    return value.detach().cpu().double().sum().item()

@@ -145,7 +145,7 @@ def check_bounds(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -
     the task's `bounds`: an accuracy above 1, a negative loss, show sums that are not summed over
     the terms `count` counts, or metrics that do not divide by it."""
     batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
-    sums = {k: torch.as_tensor(v).detach().cpu().double().sum().item() for k, v in batch.items()}
+    sums = {key: float64_sum(value) for key, value in batch.items()}
     for name, value in task.metrics(sums).items():
         low, high = task.bounds.get(name, (None, None))
         if low is not None and value < low or high is not None and value > high:
@@ -157,3 +157,10 @@ def check_bounds(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -
                 "task contract, src/engine/core/task.py).",
                 every_rank=True,
             )
+
+
+def float64_sum(value: torch.Tensor | float) -> float:
+    """A batch's sum of `value`'s elements, in float64 on the CPU (MPS has no float64)."""
+    if not torch.is_tensor(value):
+        return float(value)
+    return value.detach().cpu().double().sum().item()
