@@ -5,13 +5,15 @@ same tensors (bench/bare.py), the ceiling the template's own overhead is measure
     python bench/run.py                        # everything (CPU: about 15 minutes on 2 cores)
     python bench/run.py --models mlp           # the MLP rows only
     python bench/run.py --repeats 1            # one run of each instead of the fastest of three
+    python bench/run.py --images 12800         # time the first 12,800 images, not the epoch
     python bench/run.py --models cnn --batch-size 1024 --fast   # the GPU recipe
     python bench/run.py --processes 2 --loaders tensor --accumulate 1 4   # 4 micro-batches a step
     python bench/run.py --image-folder data/fashion-png --loaders torch tensor   # PNG files
     python bench/run.py --models mlp --processes 2 --loaders tensor --drift-guard   # its cost
 
 Prints the table, and writes results.csv, table.md and images_per_s.png into
-bench/results/<date-time>/. Recipe: global batch 64 (--batch-size), SGD lr 0.01, one epoch;
+bench/results/<date-time>/, and runs.csv there as each run finishes (a run stopped midway keeps
+the rows that finished). Recipe: global batch 64 (--batch-size), SGD lr 0.01, one epoch;
 `loader` is data.loader (torch = DataLoader). --fast adds bfloat16, channels-last and
 torch.compile with CUDA graphs, and 5 warm-up steps before the clock starts, to every row.
 """
@@ -103,6 +105,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
             f"--root={args.root}",
             f"--batch-size={args.batch_size}",
             *(FAST_FLAGS if args.fast else []),
+            *([f"--steps={steps(args)}"] if args.images else []),
         ]
     else:
         name = f"{row['model']}-{row['processes']}-{row['loader']}"
@@ -121,6 +124,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
             f"hydra.run.dir={run_dir}",
             *row["extra"],
             *(FAST_OVERRIDES if args.fast else []),
+            *([f"trainer.max_steps={steps(args)}"] if args.images else []),
             *(["parallel=ddp"] if row["processes"] > 1 else []),
         ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -130,6 +134,11 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
         return json.loads(result.stdout.strip().splitlines()[-1])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return next(line for line in lines if "time/images_per_s" in line)
+
+
+def steps(args: argparse.Namespace) -> int:
+    """--images as optimizer steps: the epoch's first global batches that hold them."""
+    return math.ceil(args.images / args.batch_size)
 
 
 def data_overrides(args: argparse.Namespace) -> list[str]:
@@ -169,6 +178,11 @@ def main() -> None:
     )
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument(
+        "--images",
+        type=int,
+        help="time the epoch's first N training images (its first N / batch steps), not all",
+    )
+    parser.add_argument(
         "--loaders",
         nargs="+",
         default=["torch", "tensor", "bare"],
@@ -205,7 +219,10 @@ def main() -> None:
     rows = configurations(
         args.models, args.processes, args.workers, args.loaders, args.accumulate, args.drift_guard
     )
-    with tempfile.TemporaryDirectory() as scratch:
+    measured = ["repeat", "model", "processes", "loader", "images_per_s", "train_s", "peak_rss_mb"]
+    with tempfile.TemporaryDirectory() as scratch, (out / "runs.csv").open("w") as runs:
+        written = csv.writer(runs)
+        written.writerow(measured)
         # In turn, so that a machine slowing down or speeding up touches every row alike.
         for repeat in range(1, args.repeats + 1):
             for row in rows:
@@ -216,6 +233,10 @@ def main() -> None:
                     f"process(es) {row['loader']:18} {timing['time/images_per_s']:10,.0f} images/s",
                     flush=True,
                 )
+                values = ("time/images_per_s", "time/train_s", "memory/peak_rss_mb")
+                found = [timing[key] for key in values]
+                written.writerow([repeat, row["model"], row["processes"], row["loader"], *found])
+                runs.flush()  # kept should the benchmark be stopped
     for row in rows:
         # The fastest run, as timeit advises: a slower one measures what else the machine was
         # doing (a shared machine slows under sustained load), not the code.
@@ -249,7 +270,9 @@ def main() -> None:
         writer.writerows(rows)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     recipe = (
-        f"{device}, {os.cpu_count()} cores; one epoch of Fashion-MNIST, global batch "
+        f"{device}, {os.cpu_count()} cores; "
+        + (f"the first {steps(args)} steps of an epoch" if args.images else "one epoch")
+        + " of Fashion-MNIST, global batch "
         f"{args.batch_size}, SGD lr 0.01"
         + (", " + " ".join(FAST_OVERRIDES) if args.fast else "")
         + f"; the fastest of {args.repeats} run(s)"

@@ -29,12 +29,20 @@ def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
     row by the loader alone, which the README command's rows run: each compiled row costs some
     20 s of compiling on this CPU."""
     options = ["--models=mlp", "--processes=1", "--repeats=1", "--batch-size=32",
-               "--loaders", "tensor", "bare", "--fast"]  # fmt: skip
+               "--loaders", "tensor", "bare", "--fast", "--images=96"]  # fmt: skip
     rows = benchmark(options, tmp_path, tiny_data)
     (out,) = tmp_path.iterdir()
     assert [(r["processes"], r["loader"]) for r in rows] == [("1", "tensor"), ("1", "bare loop")]
     assert all(float(r["images_per_s"]) > 0 for r in rows)
-    assert "global batch 32" in (out / "table.md").read_text().splitlines()[0]
+    # --images=96: the epoch's first 3 steps of 32 timed, in both rows alike.
+    recipe = (out / "table.md").read_text().splitlines()[0]
+    assert "the first 3 steps of an epoch of Fashion-MNIST, global batch 32" in recipe, recipe
+    assert all(float(r["train_s"]) * float(r["images_per_s"]) == pytest.approx(96) for r in rows)
+    # Each run's line, written as it finished.
+    runs = list(csv.DictReader((out / "runs.csv").open()))
+    assert [(r["repeat"], r["loader"], r["images_per_s"]) for r in runs] == [
+        ("1", r["loader"], r["images_per_s"]) for r in rows
+    ]
     assert (out / "images_per_s.png").stat().st_size > 0
 
 
