@@ -40,7 +40,7 @@ from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.loop import train_step
 from src.engine.core.state import Parts
-from src.engine.core.task import check_bounds
+from src.engine.core.task import check_metrics
 from src.engine.errors import UserError
 from src.engine.guards.checks import check_count
 from src.engine.parallel import Process
@@ -52,7 +52,9 @@ PAGE = REPO / "docs" / "tasks.md"
 MISTAKES = '''"""A fork's mistakes, one per class."""
 
 import torch.nn.functional as F
+from torchmetrics.classification import MulticlassF1Score
 
+import f1task
 import mytask
 from src.datasets import Tensors
 
@@ -112,6 +114,15 @@ class Unfinished:
     count, loss = mytask.NextToken.count, mytask.NextToken.loss
 
 
+class MetricElsewhere(f1task.NextTokenF1):
+    """Its metric made in sums() on a device the outputs are not on: meta, as a CPU machine has
+    no other (on a GPU machine, the CPU, where a metric object is made by default)."""
+
+    def sums(self, outputs, inputs, targets):
+        self.f1 = MulticlassF1Score(32, average="macro", ignore_index=-100).to("meta")
+        return super().sums(outputs, inputs, targets)
+
+
 class FloatCounting(mytask.Counting):
     """The counting sequences, with their targets as floats."""
 
@@ -127,10 +138,10 @@ def fork_files() -> dict[str, str]:
     return dict(blocks)
 
 
-def fork_commands() -> list[str]:
-    """The page's commands: its one `sh` block, a command a line."""
-    (block,) = re.findall(r"```sh\n(.*?)```", PAGE.read_text(), re.S)
-    return block.splitlines()
+def fork_commands(block: int = 0) -> list[str]:
+    """The page's commands, a command a line: its first `sh` block (the fork's), or the second
+    (the macro-F1 task's)."""
+    return re.findall(r"```sh\n(.*?)```", PAGE.read_text(), re.S)[block].splitlines()
 
 
 def write_fork(folder: Path) -> Path:
@@ -241,20 +252,20 @@ def test_metrics_outside_the_tasks_bounds_break_the_contract():
 
     inputs, targets = torch.zeros(2, 3), torch.tensor([0, 2])
     outputs = F.one_hot(targets, 3).float()  # both right
-    check_bounds(Classification(), outputs, inputs, targets)
+    check_metrics(Classification(), outputs, inputs, targets)
     with pytest.raises(UserError) as refused:
-        check_bounds(PercentAccuracy(), outputs, inputs, targets)
+        check_metrics(PercentAccuracy(), outputs, inputs, targets)
     assert str(refused.value) == (
         "The task's metrics(sums) give acc=100 for two training samples, outside its bounds (0 to "
         "1): sums() must return each batch's terms summed over what count() counts, and metrics() "
         "divide those sums by sums['count'] (the task contract, src/engine/core/task.py)."
     )
     values = torch.tensor([[1.0], [2.0]])
-    check_bounds(Regression(), values - 3, inputs, values)
+    check_metrics(Regression(), values - 3, inputs, values)
     with pytest.raises(
         UserError, match=r"^The task's metrics\(sums\) give mae=-3 for two .* \(0 to ∞\)"
     ):
-        check_bounds(SignedError(), values - 3, inputs, values)
+        check_metrics(SignedError(), values - 3, inputs, values)
 
 
 @pytest.mark.unit
@@ -482,6 +493,13 @@ MISTAKES_REFUSED = {
         ],
         r"^model=src.models.AutoEncoder has a layer of size 0 ",
     ),  # fmt: skip
+    "a metric object on another device than the outputs": (
+        ["experiment=counting", "task=next_token_f1", "task._target_=mistakes.MetricElsewhere"],
+        r"^The task's sums\(\) stopped with: Tensor on device cpu is not on the expected device "
+        r"meta! The model's outputs are on cpu: make a metric object \(torchmetrics\) in the "
+        r"task's __init__, and the engine keeps it on the model's device, or move it in sums\(\) "
+        r"with \.to\(outputs\.device\)\.$",
+    ),
     "label smoothing of 2": (
         ["task.label_smoothing=2"],
         r"^task.label_smoothing=2 is not allowed: use 0 \(none\) up to below 1, e.g. 0.1\.$",
@@ -651,6 +669,34 @@ def first_epoch_by_rank(fork: Path) -> tuple[list[list[int]], list[float]]:
         with torch.no_grad():
             sums.append(task.loss(model(x), x, y).item())
     return counts, sums
+
+
+def test_a_torchmetrics_metric_is_the_same_in_one_process_and_under_ddp(tmp_path):
+    """The page's macro-F1 task (a torchmetrics object), from its own blocks and commands: an
+    epoch in one process and one under 2 DDP processes log the same val/f1 and test/f1 (as they
+    count the same tokens right: the weights agree to WEIGHT_ATOL, no prediction near a tie); the
+    first run's best.pt evaluated under 2 processes gives exactly the F1 it logged, from the same
+    weights: each rank's counts summed by torchmetrics, every token counted once."""
+    write_fork(tmp_path)
+    one, ddp = fork_commands(block=1)
+    folder = {name: tmp_path / "outputs" / name for name in ("one", "ddp", "eval")}
+    ok(launch(one, tmp_path, *SMALL, "trainer.epochs=1", f"hydra.run.dir={folder['one']}"))
+    ok(launch(ddp, tmp_path, *SMALL, "trainer.epochs=1", f"hydra.run.dir={folder['ddp']}"))
+    assert "DDP: 2 processes" in (folder["ddp"] / "train.log").read_text()
+    best = folder["one"] / "checkpoints" / "best.pt"
+    evaluated = ["train=false", f"ckpt_path={best}", f"hydra.run.dir={folder['eval']}"]
+    ok(launch(ddp, tmp_path, *SMALL, *evaluated))
+    (val, test), (ddp_val, ddp_test) = (read_metrics(folder[n])[1] for n in ("one", "ddp"))
+    assert 0 < val["val/f1"] < 1 and 0 < test["test/f1"] < 1, (val, test)
+    for ours, reference in ((ddp_val, val), (ddp_test, test)):
+        assert_same_evaluation(ours, reference)
+        split = "val" if "val/f1" in reference else "test"
+        assert ours[f"{split}/f1"] == reference[f"{split}/f1"], (ours, reference)
+    alone = read_metrics(folder["eval"])[1]
+    assert [(m.get("val/f1"), m.get("test/f1")) for m in alone] == [
+        (val["val/f1"], None),
+        (None, test["test/f1"]),
+    ]
 
 
 @pytest.mark.slow

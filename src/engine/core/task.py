@@ -110,8 +110,15 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         )
     if torch.is_tensor(outputs):
         check_sums(task, outputs, inputs, targets, float(loss))
-    if getattr(task, "bounds", None):
-        check_bounds(task, outputs, inputs, targets)
+    check_metrics(task, outputs, inputs, targets)
+
+
+def place(task: Task, device: torch.device) -> None:
+    """The task's own modules (a torchmetrics metric's state, made in its `__init__`) on the
+    model's device, where the outputs they are updated with are."""
+    for value in vars(task).values():
+        if isinstance(value, torch.nn.Module):
+            value.to(device)
 
 
 def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, loss: float) -> None:
@@ -140,14 +147,28 @@ def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, los
         )
 
 
-def check_bounds(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
-    """The metrics of two samples' sums (added up in float64 as evaluation adds them) lie within
-    the task's `bounds`: an accuracy above 1, a negative loss, show sums that are not summed over
-    the terms `count` counts, or metrics that do not divide by it."""
-    batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+def check_metrics(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
+    """`sums` and `metrics` of two samples, as an evaluation calls them (a metric object's state
+    updated, computed and reset): a metric kept on another device than the model's outputs is
+    one sentence, and the metrics lie within the task's `bounds` (an accuracy above 1, a
+    negative loss, show sums not summed over the terms `count` counts, or metrics that do not
+    divide by it)."""
+    try:
+        batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+    except RuntimeError as err:
+        if "device" not in str(err):
+            raise
+        raise UserError(
+            f"The task's sums() stopped with: {first_line(err)} The model's outputs are on "
+            f"{outputs.device}: make a metric object (torchmetrics) in the task's __init__, and "
+            "the engine keeps it on the model's device, or move it in sums() with "
+            ".to(outputs.device).",
+            every_rank=True,
+        ) from None
     sums = {key: float64_sum(value) for key, value in batch.items()}
+    bounds = getattr(task, "bounds", None) or {}
     for name, value in task.metrics(sums).items():
-        low, high = task.bounds.get(name, (None, None))
+        low, high = bounds.get(name, (None, None))
         if low is not None and value < low or high is not None and value > high:
             within = f"{'-∞' if low is None else low} to {'∞' if high is None else high}"
             raise UserError(
