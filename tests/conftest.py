@@ -380,6 +380,21 @@ def wandb_summary(run_dir: Path) -> dict:
     return json.loads(result.stdout)
 
 
+def wandb_records(run_dir: Path, kind: str) -> list[dict]:
+    """The offline wandb run's records of one `kind` (run, metric, artifact, ...), read back with
+    wandb's own reader."""
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    result = subprocess.run(
+        ["wandb", "leet", "inspect", "--json", str(wandb_run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    return [record[kind] for record in records if record.get("type") == kind]
+
+
 def printed(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 

@@ -272,6 +272,14 @@ def test_every_yaml_key_has_a_comment():
          r"init_from=b.pt starts a new one from a file's weights: give one of them\.$"),
         ("logger=wandb logger.mode=bogus", r"^logger.mode=bogus is not allowed: use online, "
          r"offline, disabled or null \(\$WANDB_MODE, else online\)\.$"),
+        ("logger=none logger.log_checkpoints=true", r"^logger.log_checkpoints=true logs the "
+         r"run's best.pt and last.pt, and logger=none has no tracker: use logger=wandb, or set "
+         r"logger.log_checkpoints=false.$"),
+        ("logger=wandb logger.log_checkpoints=true checkpoint.save=false", r"^logger.log_"
+         r"checkpoints=true logs the run's best.pt and last.pt, and checkpoint.save=false writes "
+         r"none: drop checkpoint.save=false, or set logger.log_checkpoints=false.$"),
+        ("logger=wandb logger.log_checkpoints=true train=false ckpt_path=a.pt", r"^logger.log_"
+         r"checkpoints=true logs the run's best.pt and last.pt, and train=false writes none"),
         ("resume=false", r"^resume=false is not allowed: use auto \(the run folder's last.pt\), "
          r"null \(never\) or a checkpoint's path.$"),
         ("init_from=1", "^init_from=1 is not allowed: use null or a checkpoint's path.$"),
@@ -581,6 +589,12 @@ def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
     # A rate too small to learn anything: failed, exit 1, with the loss reached.
     failed = train([f"data.root={tiny_data}", "debug=overfit", "optimizer.lr=1e-9"], tmp_path)
     assert failed.returncode == 1, printed(failed)
+    # The preset's own keys given another value are said (the tests' data.val_size=50), not
+    # optimizer.lr, which the preset leaves to its optimizer's file.
+    assert "debug=overfit sets data.val_size=0, which the command line's data.val_size=50 " in (
+        printed(failed)
+    )
+    assert "optimizer.lr=1e-9 replace" not in printed(failed)
     failure = r"debug=overfit failed: the training loss is \S+ after 200 steps on 32 samples, not "
     assert re.search(failure + r"below 0.05 \(debug.overfit_below\)", printed(failed))
 
@@ -591,6 +605,12 @@ def test_debug_fast_evaluates_a_few_batches_of_each_split(tmp_path, tiny_data):
     result = ok(train([f"data.root={tiny_data}", "debug=fast", "data.eval_subset=20"], tmp_path))
     said = "Data: 200 training, 20 validation (data.val_size) and 20 test images of 1×28×28 from "
     assert said in printed(result) and "(data.eval_subset=20: the first of each" in printed(result)
+    # A key the preset sets, set again on the command line: allowed, and said before the job.
+    replaced = (
+        "debug=fast sets data.eval_subset=200, which the command line's data.eval_subset=20 "
+        "replaces: the run is debug=fast as you changed it."
+    )
+    assert replaced in printed(result)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Real training runs: python train.py and torchrun subprocesses (gloo on CPU) on tiny IDX files."""
 
+import base64
 import csv
+import hashlib
 import json
 import math
 
@@ -19,6 +21,7 @@ from conftest import (
     single_run,
     torchrun_through_shell,
     train,
+    wandb_records,
     wandb_summary,
 )
 
@@ -174,6 +177,7 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
         f"data.root={tiny_data}",
         "parallel=ddp",
         "trainer.log_every_n_steps=1",
+        "logger.log_checkpoints=true",
     ]
     delayed_start = '[ "$LOCAL_RANK" = 1 ] && sleep 2'
     ok(
@@ -193,11 +197,29 @@ def test_ddp_ranks_starting_seconds_apart_share_one_run_folder_and_wandb_run(tmp
     assert summary["state"] == "finished"
     test = read_test(run_dir)
     assert summary["summary"]["test/acc"] == test["test/acc"]
-    assert summary["summary"]["best/val/acc"] == best["val/acc"]
+    # The monitor's best value and its last, by wandb's define_metric; the epoch it was reached.
+    assert summary["summary"]["val/acc"] == {"max": best["val/acc"], "last": evals[-2]["val/acc"]}
     assert summary["summary"]["best/epoch"] == test["test/weights_epoch"] == best["epoch"]
+    assert summary["summary"]["step"] == evals[-1]["step"]  # every chart's x-axis: our step
     assert summary["config"]["data"]["batch_size"] == 64  # the resolved Hydra config
-    # Named by task_name and the command line's overrides, as Hydra recorded them.
+    # Named by task_name and the command line's overrides, as Hydra recorded them; no group
+    # (not a sweep), a training run.
     assert summary["name"].startswith(f"train data.root={tiny_data} parallel=ddp "), summary["name"]
+    (started,) = wandb_records(run_dir, "run")
+    assert (started.get("run_group"), started["job_type"]) == (None, "train")
+    metrics = {m.get("name") or m["glob_name"]: m for m in wandb_records(run_dir, "metric")}
+    assert metrics["*"]["step_metric"] == "step"
+    assert metrics["val/acc"]["summary"] == {"max": True, "last": True}
+    # logger.log_checkpoints=true: best.pt and last.pt, as the run left them, from rank 0 alone.
+    artifacts = wandb_records(run_dir, "artifact")
+    logged = {
+        a: x["manifest"]["contents"] for x in artifacts for a in {"best", "last"} & {*x["aliases"]}
+    }
+    assert sorted(logged) == ["best", "last"] and len(artifacts) == 2
+    for alias, (content,) in logged.items():
+        path = run_dir / "checkpoints" / f"{alias}.pt"
+        md5 = base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+        assert (content["path"], content["digest"]) == (path.name, md5)
 
 
 def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
@@ -216,6 +238,11 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
     assert len(list(good.glob("wandb/offline-run-*"))) == 1
     assert len(list(bad.glob("wandb/offline-run-*"))) == 1
     assert (wandb_summary(good)["state"], wandb_summary(bad)["state"]) == ("finished", "failed")
+    # One group for the sweep's jobs, named by task_name and the sweep's folder.
+    runs = [wandb_records(job, "run")[0] for job in jobs]
+    sweep = good.parent.relative_to(tmp_path / "outputs")
+    assert [(r["run_group"], r["job_type"]) for r in runs] == [(f"train {sweep}", "train")] * 2
+    assert not wandb_records(good, "artifact")  # logger.log_checkpoints=false, the default
     with (good.parent / "summary.csv").open() as file:  # the sweep's summary, best job first
         rows = list(csv.DictReader(file))
     assert [(r["job"], r["status"]) for r in rows] == [("0", "completed"), ("1", "failed")]

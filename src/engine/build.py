@@ -31,7 +31,7 @@ from src.engine.checkpoint import Checkpointer
 from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
-from src.engine.core.task import CONTRACT, preflight
+from src.engine.core.task import CONTRACT, place, preflight
 from src.engine.errors import UserError, first_line, refuse, where
 from src.engine.guards import drift
 from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count
@@ -79,10 +79,29 @@ def read_settings(cfg: DictConfig) -> Settings:
     typed(ScheduleKeys, {"interval": resolved["scheduler"].get("interval")}, "scheduler", checked)
     checkpoint = typed(Checkpointing, resolved["checkpoint"], "checkpoint", checked)
     trainer = typed(Trainer, resolved["trainer"], "trainer", checked)
-    if (mode := (resolved["logger"] or {}).get("mode")) not in (None, *WANDB_MODES):
+    logger = resolved["logger"] or {}
+    if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
+    if logger.get("log_checkpoints"):
+        check_logged_checkpoints(logger, checkpoint, start.train)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
     return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, resolved)
+
+
+def check_logged_checkpoints(logger: dict[str, Any], saved: Checkpointing, train: bool) -> None:
+    """logger.log_checkpoints=true needs a tracker to log to and checkpoints to log."""
+    if not logger.get("_target_"):
+        why = "and logger=none has no tracker: use logger=wandb"
+    elif not train:
+        why = "and train=false writes none (the checkpoint it tests is already kept)"
+    elif not saved.save:
+        why = "and checkpoint.save=false writes none: drop checkpoint.save=false"
+    else:
+        return
+    raise UserError(
+        f"logger.log_checkpoints=true logs the run's best.pt and last.pt, {why}, or set "
+        "logger.log_checkpoints=false."
+    )
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -138,8 +157,7 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
-        if "name" in cfg.logger and cfg.logger.name is None:  # a tracker's run named
-            given["name"] = run_name(settings.config, run_dir)
+        given |= tracker_defaults(cfg.logger, settings, run_dir)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
@@ -148,14 +166,29 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         yield logger
 
 
-def run_name(config: dict[str, Any], run_dir: Path) -> str:
-    """A wandb run's name: `task_name`, then the command line's overrides, as Hydra recorded them
-    in the run folder (`.hydra/overrides.yaml`), Hydra's own left out."""
-    overrides: list = []
+def tracker_defaults(logger: DictConfig, settings: Settings, run_dir: Path) -> dict[str, Any]:
+    """What a tracker's keys left null take from the run: its name (`task_name` and the command
+    line's overrides, as Hydra recorded them in `.hydra/`), a sweep job's group (the sweep's
+    folder), the job's type (train or eval), and the monitor to summarise by its best value."""
+    hydra = run_dir / ".hydra"
+    overrides, mode = [], None
     with suppress(OSError, OmegaConfBaseException):  # none recorded: the task's name alone
-        overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+        overrides = list(OmegaConf.load(hydra / "overrides.yaml"))
+        mode = OmegaConf.select(OmegaConf.load(hydra / "hydra.yaml"), "hydra.mode")
     shown = [o for o in map(str, overrides) if not o.startswith(("hydra.", "hydra/"))]
-    return " ".join([str(config.get("task_name") or "train"), *shown])[:128]
+    task_name = str(settings.config.get("task_name") or "train")
+    sweep = run_dir.parent  # a sweep job's folder is one of the sweep's: 0, 1, ...
+    with suppress(ValueError):  # named from where the run folders go, where it is there
+        sweep = sweep.relative_to(Path(settings.config["paths"]["log_dir"]).absolute())
+    defaults = {
+        "name": " ".join([task_name, *shown])[:128],
+        "group": f"{task_name} {sweep}"[:128] if str(mode) == "MULTIRUN" else None,
+        "job_type": "train" if settings.train else "eval",
+    }
+    given = {key: value for key, value in defaults.items() if logger.get(key, "") is None}
+    if (monitor := settings.checkpoint.monitor) and settings.checkpoint.mode and settings.train:
+        given["monitor"] = (monitor, settings.checkpoint.mode)
+    return given
 
 
 def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:
@@ -196,6 +229,7 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     checkpoint.seed_everything(cfg.seed)  # the same initial weights on every rank
     # Built in float32 (the default dtype), then cast: float64 starts from float32's weights.
     model = instantiated("model", cfg.model, **found).to(process.device, trainer.dtype)
+    place(run.task, process.device)  # its metric objects where the model's outputs are
     preflight(model, data, run.task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:

@@ -232,6 +232,15 @@ class Checkpointer:
         test = "test one with train=false ckpt_path=..."
         return f"{self.run_dir}/checkpoints holds its weights ({test})"
 
+    def files(self) -> dict[str, list[Path]]:
+        """The checkpoints on disk, by name (best, last): each file with its shards folder."""
+        named = {"best": self.best, "last": self.last}
+        return {
+            name: [path, *[path.parent / s for s in [shards_named(path)] if s]]
+            for name, path in named.items()
+            if path.is_file()
+        }
+
     def _save(self, path: Path, step: int) -> None:
         """Write `path` atomically from the main process; every rank calls it (states gather)."""
         sharded = self.policy.sharded

@@ -55,6 +55,11 @@ class MetricsLogger(AbstractContextManager):
         if self.tracker is not None:
             self.tracker.summary(values)
 
+    def checkpoints(self, files: dict[str, list[Path]]) -> None:
+        """Hand the run's checkpoints (`{alias: its files}`) to a tracker that keeps them."""
+        if self.tracker is not None and hasattr(self.tracker, "checkpoints"):
+            self.tracker.checkpoints(files)
+
     run_id = property(lambda self: getattr(self.tracker, "run_id", None))  # wandb's run id, if any
 
     def close(self, failed: bool = False) -> None:
@@ -68,7 +73,9 @@ class MetricsLogger(AbstractContextManager):
 
 
 class WandbTracker:
-    """One wandb run (a resumed `run_id`'s continued), its files in the run folder."""
+    """One wandb run (a resumed `run_id`'s continued), its files in the run folder: every metric
+    plotted against the optimizer step, the `monitor` (name, max or min) summarised by its best
+    value, and with `log_checkpoints` a completed run's best.pt and last.pt logged as artifacts."""
 
     def __init__(
         self,
@@ -81,16 +88,20 @@ class WandbTracker:
         tags: list[str],
         mode: str | None,
         init_timeout: float,
+        job_type: str | None = None,
+        log_checkpoints: bool = False,
         run_id: str | None = None,
+        monitor: tuple[str, str] | None = None,
     ):
         import wandb  # imported only when wandb is used
 
-        self.run, self.image = None, wandb.Image  # Image: for log_images
+        self.run, self.wandb, self.log_checkpoints = None, wandb, log_checkpoints
         mode = wandb_mode(mode, default_base_url=wandb.Settings().base_url)
         names = {"project": project, "entity": entity, "name": name, "group": group, "id": run_id}
         with self._warned("wandb did not start (%s); logging to metrics.jsonl only."):
             self.run = wandb.init(
                 **names,
+                job_type=job_type,
                 tags=list(tags),
                 config=resolved_config,
                 dir=run_dir,
@@ -98,6 +109,14 @@ class WandbTracker:
                 resume="allow" if run_id else None,
                 settings=wandb.Settings(init_timeout=init_timeout),
             )
+        if self.run is not None:
+            with self._warned("wandb could not define the run's metrics (%s)."):
+                # The x-axis of every chart: our step, logged as a metric (a resumed run logs
+                # steps again from its checkpoint's, which wandb's own step would drop).
+                self.run.define_metric("step")
+                self.run.define_metric("*", step_metric="step")
+                if monitor:  # the summary holds its best value and its last
+                    self.run.define_metric(monitor[0], summary=f"{monitor[1]},last")
 
     @contextmanager
     def _warned(self, failed: str, finish: bool = False) -> Iterator[None]:
@@ -113,20 +132,31 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.run is not None:
-            data = dict(metrics)
-            step = data.pop("step", None)
             with self._warned("wandb.log failed (%s); now metrics.jsonl alone.", finish=True):
-                self.run.log(data, step=step)
+                self.run.log(dict(metrics))
 
     def log_images(self, paths: list[Path]) -> None:
         if self.run is not None:
             with self._warned("wandb could not log the pictures (%s)."):
-                self.run.log({path.stem: self.image(str(path)) for path in paths})
+                self.run.log({path.stem: self.wandb.Image(str(path)) for path in paths})
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
             with self._warned("wandb could not update the run's summary (%s)."):
                 self.run.summary.update(values)
+
+    def checkpoints(self, files: dict[str, list[Path]]) -> None:
+        """With `log_checkpoints`: each checkpoint (`{alias: its files}`: the .pt file, and a
+        sharded one's shards folder) as a version of the run's model artifact."""
+        if self.run is None or not self.log_checkpoints:
+            return
+        with self._warned("wandb could not log the checkpoints (%s)."):
+            for alias, paths in files.items():
+                artifact = self.wandb.Artifact(f"model-{self.run.id}", type="model")
+                for path in paths:
+                    add = artifact.add_dir if path.is_dir() else artifact.add_file
+                    add(str(path), name=path.name)
+                self.run.log_artifact(artifact, aliases=[alias])
 
     def finish(self, exit_code: int = 0) -> None:
         run, self.run = self.run, None

@@ -60,6 +60,8 @@ def train(
                         fitted, result = evaluate_weights(run, model, weights)
                     test(run, model, fitted)  # once, at the end
                     plots.finish(run, model, fitted.step, settings.config["plots"])
+                    if run.logger and settings.train:  # logger.log_checkpoints: to the tracker
+                        run.logger.checkpoints(run.checkpointer.files())
     except BaseException:
         storage.restore()  # refused before it began: its folder as it was (else nothing to do)
         raise

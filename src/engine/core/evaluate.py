@@ -59,8 +59,8 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
         weights_epoch = best.epoch
     record = {"step": step, "epoch": epoch, "test/weights_epoch": weights_epoch}
     metrics = evaluate_and_log(run, model, "test", record, f"Test on {weights}")
-    if run.logger:
-        chosen = {f"best/{best.monitor}": best.value, "best/epoch": best.epoch} if best else {}
+    if run.logger:  # the monitor's best value is the tracker's own (wandb's define_metric)
+        chosen = {"best/epoch": best.epoch} if best else {}
         run.logger.summary({**metrics, **chosen, "test/weights_epoch": weights_epoch})
     return metrics
 
