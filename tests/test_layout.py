@@ -41,6 +41,7 @@ READS_THE_CONFIG = {
     "engine/launch/__init__.py",
     "engine/tools/equivalence.py",
     "engine/tools/sweep.py",
+    "engine/tools/presets.py",  # a Hydra callback, as sweep.py's: Hydra hands it the config
     "engine/storage.py",
 }
 MAX_PARAMETERS = 5  # the core's functions: a run context and a training state, not long lists
