@@ -1,8 +1,9 @@
 """The ceiling for bench/run.py: a hand-written loop over the same in-memory tensors.
 
-One epoch of the same recipe (model, global batch, SGD, sample order), with no config, logging,
-checkpoints or signal handling; under torchrun, plain DistributedDataParallel. Prints one JSON
-line: the epoch's training images per second.
+One epoch of the same recipe (model, global batch, SGD, sample order), or --epochs N each timed
+alone (the first, then the steady ones), with no config, logging, checkpoints or signal handling;
+under torchrun, plain DistributedDataParallel. Prints one JSON line: the first epoch's training
+images per second, and with --epochs 2 or more the last epoch's (steady/...).
 
     python bench/bare.py --model mlp --root /usr/share/datasets/fashion-mnist
     torchrun --nproc_per_node=2 bench/bare.py --model mlp --root ...
@@ -64,6 +65,12 @@ def main() -> None:
     parser.add_argument("--compile", metavar="MODE", help="torch.compile mode (default: eager)")
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--steps", type=int, help="time this many steps (default: the epoch)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="time this many epochs, each on its own: the first, then the steady ones",
+    )
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--bucket-cap-mb", type=float, help="DDP's (default 25)")
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's")
@@ -114,9 +121,9 @@ def main() -> None:
     )
     starts = range(0, len(labels), args.batch_size)
 
-    def timed(hook: bool) -> float:
-        """Seconds for the timed steps, from the recipe's initial weights, with DDP's all-reduce
-        or (`hook`) its no-op hook."""
+    def timed(hook: bool) -> list[float]:
+        """Seconds for the timed steps of each epoch, from the recipe's initial weights, with
+        DDP's all-reduce or (`hook`) its no-op hook."""
         trained = copy.deepcopy(model)  # the plain module, compiled here: each run its own
         if args.compile:
             # Static shapes: CUDA graphs record one graph per batch shape, in the warm-up.
@@ -156,18 +163,23 @@ def main() -> None:
         for first in warm if args.warmup_steps else []:
             step(first)
         sync(device, ddp)
-        started = time.perf_counter()
-        for first in starts[: args.steps]:
-            step(first)
-        sync(device, ddp)
-        return time.perf_counter() - started
+        seconds = []
+        for _ in range(args.epochs):  # each timed alone, as the template's Speed hook times it
+            started = time.perf_counter()
+            for first in starts[: args.steps]:
+                step(first)
+            sync(device, ddp)
+            seconds.append(time.perf_counter() - started)
+        return seconds
 
     timed_starts = starts[: args.steps]
     count = min(len(labels), timed_starts[-1] + args.batch_size) - timed_starts[0]
-    seconds = timed(hook=args.no_communication)
-    line = {"time/train_s": seconds, "time/images_per_s": count / seconds}
+    first, *steady = timed(hook=args.no_communication)
+    line = {"time/train_s": first, "time/images_per_s": count / first}
+    if steady:  # the last epoch, past the first's one-time costs
+        line |= {"steady/train_s": steady[-1], "steady/images_per_s": count / steady[-1]}
     if args.also_no_communication:  # the same steps again, in these processes
-        line["noop/images_per_s"] = count / timed(hook=True)
+        line["noop/images_per_s"] = count / timed(hook=True)[-1]
     if rank == 0:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({**line, "memory/peak_rss_mb": peak}))

@@ -34,14 +34,19 @@ def test_benchmark_of_the_gpu_recipe_runs_every_row(tmp_path, tiny_data):
     (out,) = tmp_path.iterdir()
     assert [(r["processes"], r["loader"]) for r in rows] == [("1", "tensor"), ("1", "bare loop")]
     assert all(float(r["images_per_s"]) > 0 for r in rows)
-    # --images=96: the epoch's first 3 steps of 32 timed, in both rows alike.
+    # --images=96: epochs of 3 steps of 32, in both rows alike; each row's first epoch, its
+    # steady one and its whole process, the bare loop's timed the same way.
     recipe = (out / "table.md").read_text().splitlines()[0]
-    assert "the first 3 steps of an epoch of Fashion-MNIST, global batch 32" in recipe, recipe
+    said = "epochs of the first 3 steps of Fashion-MNIST (the first, then a steady one), global"
+    assert f"{said} batch 32" in recipe, recipe
     assert all(float(r["train_s"]) * float(r["images_per_s"]) == pytest.approx(96) for r in rows)
+    for row in rows:
+        assert float(row["process_s"]) > float(row["train_s"]) and float(row["process_s"]) > 0
+        assert float(row["first_images_per_s"]) > 0 and row["first_vs_bare_loop"], row
     # Each run's line, written as it finished.
     runs = list(csv.DictReader((out / "runs.csv").open()))
-    assert [(r["repeat"], r["loader"], r["images_per_s"]) for r in runs] == [
-        ("1", r["loader"], r["images_per_s"]) for r in rows
+    assert [(r["repeat"], r["loader"], r["images_per_s"], r["process_s"]) for r in runs] == [
+        ("1", r["loader"], r["images_per_s"], r["process_s"]) for r in rows
     ]
     assert (out / "images_per_s.png").stat().st_size > 0
 
