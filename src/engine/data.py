@@ -347,8 +347,9 @@ class Data:
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, int]]:
         """This rank's (inputs, targets, global batch size); `skip`: batches a resume is past."""
         self.sampler.set_epoch(epoch, skip)
+        size = self.size("train")
         for step, (inputs, targets) in enumerate(self._raw("train"), start=skip):
-            global_size = min(self.batch_size, self.size("train") - step * self.batch_size)
+            global_size = min(self.batch_size, size - step * self.batch_size)
             if self.augmentation:
                 inputs = self.augmentation(inputs, epoch, step, global_size)
             yield self.normalise(inputs), targets, global_size

@@ -116,7 +116,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
     micro = max(1, min(trainer.accumulate_grad_batches, global_size // process.world_size))
-    pieces = list(zip(inputs.tensor_split(micro), targets.tensor_split(micro), strict=True))
+    pieces = [(inputs, targets)]  # no split of one micro-batch: host time is a small step's cost
+    if micro > 1:
+        pieces = list(zip(inputs.tensor_split(micro), targets.tensor_split(micro), strict=True))
     count = global_count([task.count(x, y) for x, y in pieces], process)
     # In the weights' dtype: an int64 count divided by 3 would be a float32 2.6666667 in float64.
     per_rank = (count.to(trainer.dtype) if torch.is_tensor(count) else count) / process.world_size
@@ -137,7 +139,7 @@ def train_step(
             nn.utils.clip_grads_with_norm_(model.parameters(), trainer.gradient_clip_val, grad_norm)
     scaler.step(optimizer)  # float16: skipped when a gradient is not finite, then a lower scale
     scaler.update()
-    return sum(losses), grad_norm
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum(), grad_norm
 
 
 def global_count(counts: list[int | torch.Tensor], process: Process) -> int | torch.Tensor:
