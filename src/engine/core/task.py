@@ -18,7 +18,8 @@ any importable file. The engine (order, ranks, precision, checkpoints) asks it f
         the numbers a split reports (`loss`, `acc`), from those sums; `<split>/` is put before
         each name. Called once per evaluation on every rank, so a metric that is not a sum
         (AUROC, F1 over the whole split) can be a torchmetrics object updated in `sums` and
-        computed (over the ranks, by torchmetrics itself) and reset here.
+        computed (over the ranks, by torchmetrics itself) and reset here. The engine moves the
+        task's modules (a metric object made in its `__init__`) to the model's device.
 
 and, where it has them, `modes` (a class attribute: each metric's name, and whether a higher
 (`max`) or a lower (`min`) value is better; checked against `checkpoint.monitor` before training,
@@ -160,9 +161,9 @@ def check_metrics(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) 
             raise
         raise UserError(
             f"The task's sums() stopped with: {first_line(err)} The model's outputs are on "
-            f"{outputs.device}: make a metric object (torchmetrics) in the task's __init__, and "
-            "the engine keeps it on the model's device, or move it in sums() with "
-            ".to(outputs.device).",
+            f"{getattr(outputs, 'device', 'its device')}: make a metric object (torchmetrics) "
+            "in the task's __init__, and the engine keeps it on the model's device, or move it "
+            "in sums() with .to(outputs.device).",
             every_rank=True,
         ) from None
     sums = {key: float64_sum(value) for key, value in batch.items()}
