@@ -105,18 +105,16 @@ def train_step(
     run: Run, parts: Parts, batch: Batch, measure_norm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on this rank's share of a global batch, in `accumulate_grad_batches`
-    micro-batches. Each micro-batch's loss is the task's sum over its terms, divided by the
-    global batch's count of them times the number of ranks: the micro-batches' gradients add up
-    and DDP averages the ranks', which leaves the gradient of the mean over the global batch,
-    however unevenly the terms fall. Returns this rank's part of that mean and the gradients'
-    norm before clipping (when `gradient_clip_val` clips or `measure_norm` asks; else None)."""
+    micro-batches whose losses are sums over the global count of terms times the ranks: their
+    gradients add up, DDP averages the ranks', and the global batch's mean is left, however unevenly
+    its terms fall. Returns this rank's part of it and the gradients' norm (if clipped or asked)."""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     task, process, trainer, strategy = run.task, run.process, run.trainer, run.strategy
     inputs, targets, global_size = batch
     optimizer.zero_grad(set_to_none=True)
     # From global values, so every rank runs as many forwards (SyncBatchNorm meets in each).
     micro = max(1, min(trainer.accumulate_grad_batches, global_size // process.world_size))
-    pieces = [(inputs, targets)]  # no split of one micro-batch: host time is a small step's cost
+    pieces = [(inputs, targets)]  # one micro-batch is not split: host time is a small step's cost
     if micro > 1:
         pieces = list(zip(inputs.tensor_split(micro), targets.tensor_split(micro), strict=True))
     count = global_count([task.count(x, y) for x, y in pieces], process)
