@@ -139,3 +139,13 @@ def test_every_test_the_fault_table_names_exists():
         for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
     }
     assert len(named) >= 20 and not named - defined, named - defined
+
+
+@pytest.mark.unit
+def test_the_cpu_only_install_takes_the_pinned_torch_and_torchvision():
+    """The README's CPU-only install (PyTorch's own index, which no test here reaches) asks for
+    the versions requirements.txt pins, so `pip install -r requirements.txt` keeps that build."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    (line,) = re.findall(r"`(pip install [^`]*download\.pytorch\.org/whl/cpu)`", readme)
+    pins = re.findall(r"^(torch(?:vision)?==\S+)", (REPO / "requirements.txt").read_text(), re.M)
+    assert sorted(pins) == sorted(w for w in line.split() if "==" in w), (line, pins)
