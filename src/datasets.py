@@ -198,8 +198,7 @@ class CIFAR10(FixedSize):
 
 
 class IDX(FixedSize):
-    """An MNIST-style dataset's four IDX files (28×28 grey; classes: the numbers), in `root` or
-    `root/<Class>/raw`."""
+    """Four MNIST-style IDX files (28×28 grey, numbered classes) in `root` or `root/<Class>/raw`."""
 
     default_class, channels, size, what, download_size = "MNIST", 1, 28, "IDX files", "70 MB"
 

@@ -17,13 +17,8 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import (
-    ConfigKeyError,
-    InterpolationKeyError,
-    OmegaConfBaseException,
-    ValidationError,
-)
+from omegaconf import DictConfig, OmegaConf, ValidationError
+from omegaconf.errors import ConfigKeyError, InterpolationKeyError, OmegaConfBaseException
 from torch import nn
 
 from src.engine import checkpoint, config, storage
@@ -46,9 +41,9 @@ from src.engine.tools.warmup import WarmUp
 
 log = logging.getLogger("train")
 
-# What a model may take from the data: a sample's shape (any data; an image's channels and size)
-# and what it is to output (the number of classes; a target's shape).
 WANDB_MODES = ("online", "offline", "disabled")  # logger.mode: what wandb.init takes
+# What a model may take from the data where the config leaves it null: a sample's shape, and what
+# it is to output (the number of classes; a target's shape).
 DATA_SHAPE = ("input_shape", "in_channels", "image_size", "num_classes", "target_shape")
 # What Python says when a call's keywords do not fit the function: a key the class does not take.
 SIGNATURE = ("unexpected keyword argument", "required positional argument", "multiple values")
@@ -139,9 +134,8 @@ def build_strategy(node: Any) -> Strategy:
 
 @contextmanager
 def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[MetricsLogger | None]:
-    """The run begins, every check passed: what Hydra wrote in its folder stays, the `resumed`
-    run's best.pt is taken, config_resolved.yaml written and printed, and the main process's logger
-    opened (metrics.jsonl and `cfg.logger`'s tracker, continuing `resumed`)."""
+    """The run begins, all checked: Hydra's files kept, the `resumed` run's best.pt taken,
+    config_resolved.yaml written and printed, the main process's logger opened (or continued)."""
     settings, process, run_dir = run.settings, run.process, run.run_dir
     storage.admit()
     checkpoint.take_best(resumed, run_dir, process)
@@ -167,9 +161,8 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
 
 def tracker_defaults(logger: DictConfig, settings: Settings, run_dir: Path) -> dict[str, Any]:
-    """What a tracker's keys left null take from the run: its name (`task_name` and the command
-    line's overrides, as Hydra recorded them in `.hydra/`), a sweep job's group (the sweep's
-    folder), the job's type (train or eval), and the monitor to summarise by its best value."""
+    """What a tracker's keys left null take from the run: its name (`task_name` and the overrides
+    Hydra recorded), a sweep job's group, the job's type, and the monitor to summarise by."""
     hydra = run_dir / ".hydra"
     overrides, mode = [], None
     with suppress(OSError, OmegaConfBaseException):  # none recorded: the task's name alone
@@ -192,8 +185,7 @@ def tracker_defaults(logger: DictConfig, settings: Settings, run_dir: Path) -> d
 
 
 def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:
-    """The run's context: its data (checked for training), its hooks in order; the logger comes
-    once the run begins (`logged`)."""
+    """The run's context: its data (checked for training) and its hooks, in order; no logger yet."""
     trainer = settings.trainer
     if settings.train:
         check_accumulation(trainer, cfg.data.batch_size, process.world_size)
@@ -217,7 +209,6 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     """The model of `cfg.model`: alike on every rank, from `weights` if given, checked, wrapped."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     configure_kernels(trainer)
-    # The input's shape and the number of classes that the config leaves to the data to find.
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     if cfg.model.get("num_classes") not in (None, data.num_classes) and data.num_classes:
         raise UserError(

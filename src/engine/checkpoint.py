@@ -93,8 +93,7 @@ class RandomState:
 
 
 def on_cpu(value: Any) -> Any:
-    """`value` (dicts, lists and tuples of tensors and plain values) with its tensors on the CPU,
-    so that torch.load reads the file where no GPU is; the tensors already there are not copied."""
+    """`value` (nested dicts, lists, tuples) with its tensors on the CPU: a file read anywhere."""
     if torch.is_tensor(value):
         return value.cpu()
     if isinstance(value, dict):
@@ -139,8 +138,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def load_parts(parts: dict[str, Any], state: dict[str, Any]) -> None:
-    """Give each part its own state back; an empty one is a part that was off (float16's scaler
-    in another precision), which keeps its fresh state."""
+    """Give each part its state back; one saved empty (float16's scaler, unused) stays fresh."""
     for name, part in parts.items():
         if state.get(name):
             part.load_state_dict(state[name])
@@ -202,7 +200,6 @@ class Checkpointer:
         """`last.pt`, as training stands now (every rank calls it)."""
         if self.policy.save:
             self._save(self.last, step)
-            self.kept = (self.last, step)
 
     def due(self, step: int) -> bool:
         """Whether `last.pt` is due after `step` within an epoch: every `every_n_steps` steps."""
@@ -216,8 +213,7 @@ class Checkpointer:
         elif self.policy.save:
             # best.pt first: a kill between the two writes leaves last.pt behind it, and the
             # resumed run redoes this epoch and writes the same best.pt again.
-            self._save(self.best, step)
-            self.kept = (self.best, step)  # whole, should the copy be refused
+            self._save(self.best, step)  # kept: whole, should the copy be refused
             self._on_main(lambda: storage.copy_atomically(self.best, self.last), step)
             self.kept = (self.last, step)
 
@@ -234,15 +230,14 @@ class Checkpointer:
 
     def files(self) -> dict[str, list[Path]]:
         """The checkpoints on disk, by name (best, last): each file with its shards folder."""
-        named = {"best": self.best, "last": self.last}
         return {
             name: [path, *[path.parent / s for s in [shards_named(path)] if s]]
-            for name, path in named.items()
+            for name, path in {"best": self.best, "last": self.last}.items()
             if path.is_file()
         }
 
     def _save(self, path: Path, step: int) -> None:
-        """Write `path` atomically from the main process; every rank calls it (states gather)."""
+        """Write `path` atomically from the main process (every rank calls it), then `kept`."""
         sharded = self.policy.sharded
         state = {n: p.state_dict() for n, p in self.parts.items() if not (sharded and n in SHARDED)}
         if sharded:
@@ -259,6 +254,7 @@ class Checkpointer:
             for shards in path.parent.glob("shards-*"):
                 if shards.name not in named:
                     shutil.rmtree(shards, ignore_errors=True)
+        self.kept = (path, step)
 
     def _on_main(self, write: Any, step: int, path: Path | None = None) -> None:
         if fault := storage.on_main(self.process, write, path):
@@ -433,8 +429,7 @@ def _read(path: Path) -> Any:
     except pickle.UnpicklingError as err:
         # torch words it "Unsupported global: GLOBAL x.y was not an allowed global" (a class),
         # "unsupported GLOBAL posix.system whose module posix is blocked" (a function that runs).
-        unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
-        detail = "not a file torch.save wrote"
+        unsafe, detail = re.search(r"GLOBAL ([\w.]+)", str(err)), "not a file torch.save wrote"
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
         unsafe, detail = None, str(err).strip().split(". ")[0]
     if unsafe:
@@ -456,8 +451,7 @@ def checked_weights(model: nn.Module, path: Path | str, state: dict) -> dict[str
     for prefix in WRAPPER_PREFIXES:
         consume_prefix_in_state_dict_if_present(state, prefix)
     check_saved(model, path, {key: (tuple(t.shape), t.dtype) for key, t in state.items()})
-    bad = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
-    if bad:
+    if bad := [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]:
         raise UserError(
             f"{path} holds weights that are not finite (NaN or infinite values in "
             f"{', '.join(bad[:3]) + (', …' if len(bad) > 3 else '')}): nothing can be trained "
@@ -520,8 +514,7 @@ def _copy(source: Path, target: Path) -> None:
     storage.copy_atomically(source, target)
 
 
-# What decides which images train, validate, and in what order: it stays the checkpoint's, or
-# the rest of the run would train on other images than its start did.
+# What decides which images train and validate, in what order: a resumed run keeps the checkpoint's.
 FIXED = ("seed", "data.seed", "data.split_seed", "data.val_size", "data.subset", "data.dataset")
 QUIET = ("paths", "resume")  # where files are: no line when they change
 
@@ -561,13 +554,12 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
             )
     keys = sorted(before.keys() | after.keys())
     # A group that names another class (parallel=ddp → none): that line alone, not its keys'.
-    switched = {k[: -len("._target_")] for k in keys if k.endswith("._target_")}
-    switched = {g for g in switched if before.get(f"{g}._target_") != after.get(f"{g}._target_")}
+    switched = [k for k in keys if k.endswith("._target_") and before.get(k) != after.get(k)]
     for key in keys:
         if key.split(".")[0] in QUIET or before.get(key) == after.get(key):
             continue
-        under = [group for group in switched if key.startswith(f"{group}.")]
-        if not under or key == f"{under[0]}._target_":
+        under = [target for target in switched if key.startswith(target.removesuffix("_target_"))]
+        if not under or key == under[0]:
             log.info("%s %s → %s from this config", key, before.get(key), after.get(key))
 
 

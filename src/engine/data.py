@@ -111,12 +111,11 @@ class Data:
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
         self.workers = dict(num_workers=num_workers, pin_memory=pin_memory)
         self.workers["persistent_workers"] = persistent_workers and num_workers > 0
-        self.loader, self.augment, self.subset, self.seed = loader, augment, subset, seed
-        self.eval_subset = eval_subset
+        self.loader, self.augment, self.seed, self.split_seed = loader, augment, seed, split_seed
+        self.val_size, self.subset, self.eval_subset = val_size, subset, eval_subset
         self.mean, self.std, self.num_classes = mean, std, num_classes
         self.class_names = list(class_names) if class_names else None
         self.batch_size, self.test_batch_size = batch_size, test_batch_size
-        self.val_size, self.split_seed = val_size, split_seed
 
     def setup(
         self,
@@ -140,8 +139,8 @@ class Data:
                 splits = self._read("train"), self._read("test")
             except UserError as err:
                 error = str(err)
-        if errors := [e for e in process.all_gather_object(error) if e]:
-            raise UserError(errors[0], every_rank=True)
+        if error := storage.agree(process, error):
+            raise UserError(error, every_rank=True)
         self.device, self.rank, self.world_size = process.device, process.rank, process.world_size
         self.dtype, self.memory_format = dtype, memory_format
         self._hold(*(splits or (self._read("train"), self._read("test"))))
@@ -161,14 +160,13 @@ class Data:
         if not self.is_image:
             targets = kind(self.target_dtype, self.target_shape)
             what = f"samples of {kind(self.input_dtype, self.input_shape)} (targets {targets})"
+        evaluated = f" (data.eval_subset={self.eval_subset}: the first of each split evaluated)"
         log.info(
             "Data: %d training, %d validation (data.val_size) and %d test %s from %s%s",
             *(self.size(split) for split in ("train", "val", "test")),
             what,
             self.source,
-            f" (data.eval_subset={n}: the first of each split evaluated)"
-            if (n := self.eval_subset)
-            else "",
+            evaluated if self.eval_subset else "",
         )
         if self.rank == 0 and self.batch_size > self.size("train"):
             log.warning(

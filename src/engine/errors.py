@@ -62,15 +62,15 @@ def refuse(key: str, value: Any, allowed: str) -> None:
 def least(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
     """A field of at least `low` (and null where `nullable`)."""
     said = said or (f"at least {low}" if low else "0 or more")
-    return _checked_field(default, lambda v: v >= low, f"null or {said}" if nullable else said,
-                          nullable)  # fmt: skip
+    said = f"null or {said}" if nullable else said
+    return _checked_field(default, lambda v: v >= low, said, nullable)
 
 
 def above(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
     """A field of more than `low` (and null where `nullable`)."""
     said = said or f"a number above {low}"
-    return _checked_field(default, lambda v: v > low, f"null {said}" if nullable else said,
-                          nullable)  # fmt: skip
+    said = f"null {said}" if nullable else said
+    return _checked_field(default, lambda v: v > low, said, nullable)
 
 
 def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:

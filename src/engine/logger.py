@@ -146,8 +146,7 @@ class WandbTracker:
                 self.run.summary.update(values)
 
     def checkpoints(self, files: dict[str, list[Path]]) -> None:
-        """With `log_checkpoints`: each checkpoint (`{alias: its files}`: the .pt file, and a
-        sharded one's shards folder) as a version of the run's model artifact."""
+        """Each alias's files (the .pt file, a shards folder) as a version of the model artifact."""
         if self.run is None or not self.log_checkpoints:
             return
         with self._warned("wandb could not log the checkpoints (%s)."):

@@ -1,10 +1,9 @@
 """One run, from a composed config to its metrics: the table of contents of the template.
 
 `train(cfg)` sets up this process (alone, or one rank of a process group), builds the data, the
-model and the optimizer, trains (validating after every epoch) and evaluates the test split once.
-It is the composition root: the config ends here (with `src/engine/build.py`), and below it only
-typed settings and built objects travel. It lives in an importable module, not in `train.py`, so
-that the processes started for a job import it by name, however the job reached its process
+model and the optimizer, trains (validating after every epoch) and tests once. The config ends here
+(and in `src/engine/build.py`): below, only typed settings and built objects travel. It is a module,
+not part of `train.py`, so that a job's processes import it by name, however the job reached them
 (submitit and other launchers pickle `train.py`'s functions by value).
 """
 
@@ -30,9 +29,8 @@ log = logging.getLogger("train")
 def train(
     cfg: DictConfig, run_dir: Path | None = None, settings: Settings | None = None
 ) -> float | None:
-    """One training run (or evaluation) in this process, alone or one rank of a process group:
-    the best validation value of `checkpoint.monitor` (what a sweeper optimises; None without a
-    validation split). `run_dir` defaults to Hydra's run folder, `settings` to those of `cfg`."""
+    """One run (or evaluation) in this process: the best validation value of `checkpoint.monitor`,
+    what a sweeper optimises (None without validation); `run_dir` is Hydra's unless given."""
     with on_every_rank():  # under torchrun, one rank per machine tells a mistake found here
         settings = settings or read_settings(cfg)  # the config's values, checked before any work
         process = settings.parallel.setup(settings.device, settings.trainer)  # or a group's rank

@@ -156,8 +156,7 @@ def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
     """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
     refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken. An
     evaluation is refused a training run's folder, whose records it would replace."""
-    lock, refusal = run_dir / LOCK, None
-    me = holder_of_lock()
+    lock, me, refusal = run_dir / LOCK, holder_of_lock(), None
     if process.is_main and not train and trained_in(run_dir):
         refusal = (
             f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), "
@@ -181,8 +180,7 @@ def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
 
 
 def holder_of_lock() -> dict:
-    """What this process writes into `run.lock`: its process id, its host, and its torchrun job
-    (the same through torchrun's restarts)."""
+    """What this process writes into `run.lock`: its id, host, torchrun job (same on restarts)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     return {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
 

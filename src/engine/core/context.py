@@ -1,8 +1,7 @@
 """The run's context (`Run`: what every function of a run shares and does not change), and the
-named points where the guards and the tools plug into the loop: `active` (a context around the
-whole of training), `epoch_started` and `epoch_ended`, `after_step` (the loss still on the
-device), `votes` and `agreed` (a check: every hook's values in one all-reduce, so a hook that
-raises stops every rank at once), `wants_stop` and `stop` (docs/layout.md has each one's when)."""
+named points where the guards and the tools plug into the loop (`Hook`; docs/layout.md has each
+one's when). A check (`votes`, then `agreed`) puts every hook's values into one all-reduce, so a
+hook that raises stops every rank at once."""
 
 from __future__ import annotations
 
@@ -98,9 +97,8 @@ class Hooks(list[Hook]):
 
 @dataclass
 class Run:
-    """What the functions of one run share: where this process stands, the checked settings (the
-    strategy of its parallel mode among them), the data, and where results go, with the hooks the
-    loop calls. `logger` is None on every process but the main one."""
+    """What one run's functions share: where this process stands, the checked settings, the data,
+    where results go, and the hooks the loop calls. `logger` is None off the main process."""
 
     process: Process
     settings: Settings

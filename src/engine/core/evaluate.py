@@ -67,9 +67,8 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
 
 @torch.inference_mode()
 def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
-    """The task's metrics over the whole `split` (val or test), each sample counted once across
-    ranks: the task's sums of each batch added up in float64 on the CPU, then over the ranks, and
-    turned into metrics once, exact whatever the world size and the batch size."""
+    """The task's metrics over the whole `split` (val or test): each batch's sums added up in
+    float64 on the CPU, then over the ranks, and turned into metrics once."""
     task, process = run.task, run.process
     model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
     # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
@@ -95,9 +94,8 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
 
 
 def check_same_on_every_rank(process: Any, metrics: dict[str, Any]) -> None:
-    """Stop every rank at once where a metric differs between them, which would log rank 0's
-    value alone and split the ranks on the best epoch (each waiting on the others until the
-    timeout). From the same summed sums they agree to float64 rounding (1e-9 is far above it)."""
+    """Stop every rank at once where a metric differs between them: rank 0's alone would be
+    logged, and the ranks split on the best epoch would wait on each other until the timeout."""
     ranks = process.all_gather_object(metrics)
     for name in dict.fromkeys(n for theirs in ranks for n in theirs):
         values = [theirs.get(name) for theirs in ranks]
@@ -114,7 +112,7 @@ def check_same_on_every_rank(process: Any, metrics: dict[str, Any]) -> None:
 
 
 def same(value: Any, other: Any) -> bool:
-    """Equal values, numbers within float64's rounding of the same sums (NaN equal to NaN)."""
+    """Equal values; numbers from the same summed sums within float64's rounding (NaN to NaN)."""
     if isinstance(value, (int, float)) and isinstance(other, (int, float)):
         return math.isclose(value, other, rel_tol=1e-9) or math.isnan(value) and math.isnan(other)
     return value == other

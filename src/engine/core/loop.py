@@ -1,10 +1,8 @@
 """The training loop: `fit` runs the epochs, `train_epoch` one pass over the training batches,
-`train_step` one optimizer step, the loop a PyTorch user knows (zero the gradients, forward, loss,
-backward, step) on this rank's share of a global batch, its loss a mean over the whole of it.
-
-The same code for every parallel mode: what differs is the strategy's (`run.strategy`). The guards
-and the tools are hooks called at the loop's named points (src/engine/core/context.py); what is
-saved and when is the checkpointer's to decide."""
+`train_step` one optimizer step as a PyTorch user knows it (zero the gradients, forward, loss,
+backward, step) on this rank's share of a global batch. The same code for every parallel mode
+(what differs is `run.strategy`'s); the guards and the tools are hooks called at the loop's named
+points (src/engine/core/context.py); what is saved and when is the checkpointer's to decide."""
 
 import logging
 from contextlib import nullcontext
@@ -25,7 +23,7 @@ log = logging.getLogger(__name__)
 def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
     """Train from where `progress` stands for `trainer.epochs` (or `max_steps`, or until early
     stopping), validating (where a split is held out) and saving after each epoch; no test."""
-    settings, saver, hooks = run.settings, run.checkpointer, run.hooks
+    hooks = run.hooks
     if why := why_finished(progress, run):
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
@@ -35,13 +33,13 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
             train_epoch(run, parts, progress)
             hooks.epoch_ended(run, progress)
             hooks.check(run, progress, weights=parts.model)  # nothing bad is validated or saved
-            if settings.validates:
+            if run.settings.validates:
                 val = evaluate_and_log(run, parts.model, "val", progress.record, progress.about)
                 progress.metrics = val
             hooks.check(run, progress)  # metrics.jsonl took those lines: checked before a save
             best = progress.best  # None without a validation split
             improved = bool(best and best.update(progress.metrics, progress.epoch))
-            saver.epoch_done(progress.step, improved)
+            run.checkpointer.epoch_done(progress.step, improved)
             if hooks.stopping(run):
                 hooks.stop(run, progress)
             if progress.epoch_step == run.data.steps_per_epoch:
@@ -64,8 +62,7 @@ def why_finished(progress: Progress, run: Run) -> str:
 
 
 def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
-    """One pass over the training batches (what is left of it, after a resume), or up to
-    `max_steps` or a stop signal."""
+    """One pass over what is left of the training batches, up to `max_steps` or a stop signal."""
     trainer, data, hooks = run.trainer, run.data, run.hooks
     parts.model.train()
     for batch in data.train_batches(progress.epoch, progress.epoch_step):
@@ -141,9 +138,8 @@ def train_step(
 
 
 def global_count(counts: list[int | torch.Tensor], process: Process) -> int | torch.Tensor:
-    """The global batch's count of loss terms, from this rank's micro-batches' `counts`: summed
-    over the ranks in one all-reduce on the device, which the host does not wait for. One
-    process: the sum, which may not be 0 (a batch with nothing to learn from)."""
+    """The global batch's count of loss terms from this rank's micro-batches' `counts`, summed over
+    the ranks in one all-reduce the host does not wait for; one process's may not be 0."""
     total = sum(counts)
     if process.in_group:
         if not torch.is_tensor(total):  # filled in on the device by a kernel, not copied
@@ -155,7 +151,6 @@ def global_count(counts: list[int | torch.Tensor], process: Process) -> int | to
 
 
 def nothing_counted(batch: str) -> UserError:
-    """The one sentence for a `batch` in which the task counts no loss terms."""
     return UserError(
         f"The task counts no loss terms in {batch} (every target masked?): the loss's mean over "
         "it is undefined. Check the task's count and the data."

@@ -21,14 +21,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Best:
-    """The best validation so far by `monitor` (the weights best.pt holds), and how many
-    validations since have not improved on it, which early stopping counts."""
+    """The best validation so far by `monitor`: the weights best.pt holds."""
 
     monitor: str  # a metric of the validation split: val/acc or val/loss
     mode: str  # max or min: whether a higher or a lower value is better
     value: float | None = None
     epoch: int | None = None
-    stale: int = 0  # validations since the best one
+    stale: int = 0  # validations since the best one, which early stopping counts
 
     def update(self, metrics: dict[str, float], epoch: int) -> bool:
         """Count in the validation of `epoch`; True if it is the new best (ties keep the first)."""
@@ -53,8 +52,7 @@ class Best:
 
 @dataclass
 class Progress:
-    """Where training stands, and its position in the epoch's batches: a part of the checkpoint,
-    where a resumed run continues."""
+    """Where training stands: the part of the checkpoint a resumed run continues from."""
 
     epoch: int = 1  # the epoch training is in, from 1
     epoch_step: int = 0  # its batches done
@@ -72,9 +70,8 @@ class Progress:
         return state | {"best": self.best and dataclasses.asdict(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where the checkpoint stood: at the same image of its epoch under another
-        batch size that divides the images done, and in the next epoch if it was saved at the end
-        of one."""
+        """Continue where the checkpoint stood: at the same image of its epoch (under any batch
+        size that divides the images done), in the next epoch if it was saved at an epoch's end."""
         saved, batches = state.get("batch_size") or self.batch_size, state["epoch_step"]
         for name, value in state.items():  # the batch size and the best: this run's, below
             if name not in ("batch_size", "best") and hasattr(self, name):
@@ -141,9 +138,8 @@ class Schedule:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This config's plan (for its epochs, max_steps, batch size), stepped through the steps
-        the checkpoint's had taken: the rate a fresh run of this config would have there (the
-        checkpoint's own, when the plan is the same)."""
+        """This config's plan (its epochs, max_steps, batch size) stepped as far as the checkpoint's
+        had been: a fresh run's rate there (the checkpoint's own, where the plan is the same)."""
         steps = state["last_epoch"]
         total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR cannot step past it
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose

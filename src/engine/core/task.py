@@ -4,12 +4,12 @@ A task is a small object named by `conf/task/*.yaml` (`_target_`); a fork writes
 any importable file. The engine (order, ranks, precision, checkpoints) asks it four things:
 
     count(inputs, targets) -> int | Tensor
-        how many terms the loss sums over in this batch: samples, pixels, unmasked tokens. From
+        how many terms the loss sums over in this batch (samples, pixels, unmasked tokens), from
         the batch alone, before the forward, so every rank knows the global batch's count.
     loss(outputs, inputs, targets) -> Tensor
         the sum of those terms, a scalar. The engine divides it by the global batch's count
-        (summed over the micro-batches and the ranks), so the gradient is the mean over the
-        whole global batch under DDP, FSDP and accumulation, also when the ranks' counts differ.
+        (over the micro-batches and the ranks): the gradient is the whole global batch's mean
+        under DDP, FSDP and accumulation, also when the ranks' counts differ.
     sums(outputs, inputs, targets) -> dict[str, Tensor | number]
         evaluation's additive quantities for one batch (a loss sum, the correct predictions).
         The engine sums each one's elements in float64 over the split's batches and the ranks,
@@ -17,19 +17,17 @@ any importable file. The engine (order, ranks, precision, checkpoints) asks it f
     metrics(sums) -> dict[str, float]
         the numbers a split reports (`loss`, `acc`), from those sums; `<split>/` is put before
         each name. Called once per evaluation on every rank, so a metric that is not a sum
-        (AUROC, F1 over the whole split) can be a torchmetrics object updated in `sums` and
-        computed (over the ranks, by torchmetrics itself) and reset here. The engine moves the
-        task's modules (a metric object made in its `__init__`) to the model's device.
+        (AUROC, F1 over the whole split) can be a torchmetrics object made in `__init__` (the
+        engine moves it to the model's device), updated in `sums`, computed (over the ranks, by
+        torchmetrics itself) and reset here.
 
-and, where it has them, `modes` (a class attribute: each metric's name, and whether a higher
+and, where it has them: `modes` (a class attribute: each metric's name, and whether a higher
 (`max`) or a lower (`min`) value is better; checked against `checkpoint.monitor` before training,
 it sets `checkpoint.mode` where that is null), `bounds` (a class attribute: each metric's lowest
-and highest value, None for no bound; the metrics of two samples' sums are checked against them
-before training, so that an accuracy above 1 shows a broken contract), `check(outputs, inputs,
-targets)` (a sentence
-for targets the task cannot take) and `captions(outputs, targets, class_names)` (what
-`predictions.png` writes under each input image; a task without it draws no predictions).
-"""
+and highest value, None for no bound; two samples' metrics are checked against them before
+training, so that an accuracy above 1 shows a broken contract), `check(outputs, inputs, targets)`
+(a sentence for targets the task cannot take) and `captions(outputs, targets, class_names)`
+(what `predictions.png` writes under each input image; a task without it draws no predictions)."""
 
 import re
 from typing import Any, Protocol
@@ -56,9 +54,8 @@ class Task(Protocol):
     def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
 
 
-# What PyTorch says when a layer does not fit its input: mat1 and mat2 shapes cannot be
-# multiplied, expected input[2, 1, 28, 28] to have 3 channels, size mismatch, an embedding's
-# index out of range or float indices, a view's shape invalid for the input's size.
+# What PyTorch says when a layer does not fit its input (mat1 and mat2 shapes cannot be multiplied,
+# expected input[2, 1, 28, 28] to have 3 channels, an embedding's index out of range, ...).
 MISFIT = re.compile(
     r"shape|size|dimension|channels|expected (\d+D )?input|out of range|scalar type|dtype", re.I
 )
@@ -115,18 +112,15 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
 
 
 def place(task: Task, device: torch.device) -> None:
-    """The task's own modules (a torchmetrics metric's state, made in its `__init__`) on the
-    model's device, where the outputs they are updated with are."""
+    """The task's own modules (a torchmetrics metric's state) on the model's device."""
     for value in vars(task).values():
         if isinstance(value, torch.nn.Module):
             value.to(device)
 
 
 def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, loss: float) -> None:
-    """`count` and `loss` add up over samples (two samples' are each one's added): the engine
-    divides the summed loss by the global count, so a mean, or a count of 1, would be divided
-    again (and metrics over the count would be nonsense). The loss of two samples is their sum
-    to float32's rounding of the terms' sums (under 1e-5 relative); a mean is off by half."""
+    """`count` and `loss` add up over samples, as the engine divides the summed loss by the global
+    count: two samples' are each one's added (the loss to float32's rounding; a mean is halved)."""
     one = [(outputs[i : i + 1], inputs[i : i + 1], targets[i : i + 1]) for i in (0, 1)]
     counts = [int(task.count(inputs, targets)), *(int(task.count(x, y)) for _, x, y in one)]
     if counts[0] != counts[1] + counts[2]:
@@ -149,11 +143,8 @@ def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, los
 
 
 def check_metrics(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
-    """`sums` and `metrics` of two samples, as an evaluation calls them (a metric object's state
-    updated, computed and reset): a metric kept on another device than the model's outputs is
-    one sentence, and the metrics lie within the task's `bounds` (an accuracy above 1, a
-    negative loss, show sums not summed over the terms `count` counts, or metrics that do not
-    divide by it)."""
+    """`sums` and `metrics` of two samples, as an evaluation calls them: one sentence for a metric
+    object on another device than the model's outputs, or a metric outside the task's `bounds`."""
     try:
         batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
     except RuntimeError as err:

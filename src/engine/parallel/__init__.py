@@ -1,8 +1,7 @@
 """The parallel modes, one strategy each, and the `Process` a strategy sets up (this rank: its
 device, its collectives). A strategy's fields are its mode's keys (`conf/parallel/<mode>.yaml`);
 what differs between modes is one of its methods, so the loop, the checkpoint and the data ask it,
-never the mode's name. `Strategy` is one process on one device; other modes override what differs.
-"""
+never the mode's name. `Strategy` is one process on one device; other modes override it."""
 
 import importlib
 import pkgutil
@@ -87,8 +86,7 @@ class Strategy(Checked):
     in_group: ClassVar[bool] = False  # a process per device in a process group (torchrun's)
     replicated: ClassVar[bool] = True  # every rank holds the whole model (the drift guard checks)
     even_eval: ClassVar[bool] = False  # evaluation's forwards are collective: as many on each rank
-    # Writes and reads checkpoint.sharded=true's shards (save_shards, load_shards, saved_tensors).
-    shards_checkpoints: ClassVar[bool] = False
+    shards_checkpoints: ClassVar[bool] = False  # sharded: save_shards, load_shards, saved_tensors
     drift_every: ClassVar[int | str | None] = None  # the drift guard's checks (ddp's key)
     syncs_batchnorm: ClassVar[bool] = False  # takes parallel.sync_batchnorm=true
     sync_batchnorm: bool = False  # DDP only: BatchNorm statistics over all ranks' shares (CUDA)

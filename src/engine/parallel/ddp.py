@@ -15,8 +15,6 @@ from src.engine.parallel.group import GroupStrategy
 
 @dataclass
 class DDP(GroupStrategy):
-    """`nn.parallel.DistributedDataParallel` around the (compiled) model."""
-
     name: ClassVar[str] = "ddp"
     syncs_batchnorm: ClassVar[bool] = True
     find_unused_parameters: bool = False  # search each step for parameters with no grad (slower)

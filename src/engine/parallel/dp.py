@@ -16,8 +16,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DP(Strategy):
-    """DataParallel over `device_ids`, the model and the outputs on the first of them."""
-
     name: ClassVar[str] = "dp"
     device_ids: list[int] | None = None  # GPUs to split each batch over; null = all visible GPUs
     output_device: int | None = None  # GPU that gathers the outputs: null = the first of device_ids

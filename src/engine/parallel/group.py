@@ -22,8 +22,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GroupStrategy(Strategy):
-    """A process per device, each one rank of a process group."""
-
     in_group: ClassVar[bool] = True
     # Processes `python train.py` starts (null = one per GPU, or 2 on a CPU); torchrun sets its own.
     nproc_per_node: int | None = least(1, None, nullable=True)

@@ -157,7 +157,7 @@ def compared(
         except (UserError, RuntimeError, TypeError) as err:
             if isinstance(err, UserError) and err.__context__ is None:  # refused in any precision
                 raise
-            error = err.__context__ if isinstance(err, UserError) and err.__context__ else err
+            error = err.__context__ if isinstance(err, UserError) else err
             log.warning(
                 f"Comparing in trainer.precision={cfg.trainer.precision} instead, with its "
                 f"tolerance: the model fails in float64 ({first_line(error)})"
@@ -338,9 +338,8 @@ def table(rows: dict[str, Difference], reference: Trace) -> str:
     ]
     for name, row in rows.items():
         (loss, step), (weight, where) = row.loss, row.weight
-        cells = [f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
-        if row.failed:
-            cells[0] = f"failed at {row.failed.split(':')[0]}"
+        failed = row.failed and f"failed at {row.failed.split(':')[0]}"
+        cells = [failed or f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
         for s in evals:
             change = f"{row.correct.get(s, 0):+d}"
             cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")

@@ -45,9 +45,6 @@ class Overfit(Hook):
                 "model's output is what the task's loss takes, and optimizer.lr."
             )
         log.info(
-            "debug=overfit passed: the training loss fell to %.4g %s, below %s "
-            "(debug.overfit_below).",
-            loss,
-            trained,
-            self.below,
+            f"debug=overfit passed: the training loss fell to {loss:.4g} {trained}, below "
+            f"{self.below} (debug.overfit_below)."
         )

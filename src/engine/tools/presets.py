@@ -1,7 +1,6 @@
 """A `debug=` preset's own keys given another value on the command line (`debug=fast
-trainer.max_steps=50`):
-allowed, as any override is, and told in one warning before the job, since the run is then no
-longer the preset's smoke run, verdict or trace as its file describes it."""
+trainer.max_steps=50`): allowed, as any override is, and told in one warning before the job, since
+the run is then no longer the preset's smoke run, verdict or trace as its file describes it."""
 
 from __future__ import annotations
 
@@ -30,17 +29,15 @@ class PresetOverridden(Callback):
         changed = [
             o for o in given if o.key_or_group in preset and preset[o.key_or_group] != value(o)
         ]
-        if replaced := [o.input_line for o in changed]:
-            keys = [o.key_or_group for o in changed]
-            log.warning(
-                "debug=%s sets %s, which the command line's %s %s: the run is debug=%s as you "
-                "changed it.",
-                name,
-                ", ".join(f"{k}={preset[k]}" for k in keys),
-                " ".join(replaced),
-                "replaces" if len(keys) == 1 else "replace",
-                name,
-            )
+        if not changed:
+            return
+        sets = ", ".join(f"{o.key_or_group}={preset[o.key_or_group]}" for o in changed)
+        replaced = " ".join(o.input_line for o in changed)
+        verb = "replaces" if len(changed) == 1 else "replace"
+        log.warning(
+            f"debug={name} sets {sets}, which the command line's {replaced} {verb}: the run is "
+            f"debug={name} as you changed it."
+        )
 
 
 def value(override: Override) -> Any:
@@ -52,11 +49,10 @@ def preset_keys(config: DictConfig, file: str) -> dict[str, Any]:
     """The keys a preset `file` of the config's folders sets (dotted: trainer.max_steps) and the
     groups it picks (logger), with their values; not its own section (`debug.*`), whose keys are
     the preset's settings."""
-    for source in config.hydra.runtime.config_sources:
-        path = Path(str(source.path)) / file
-        if source.schema == "file" and path.is_file():
-            break
-    else:  # a preset packaged elsewhere: nothing to compare
+    sources = config.hydra.runtime.config_sources
+    paths = [Path(str(source.path)) / file for source in sources if source.schema == "file"]
+    path = next((path for path in paths if path.is_file()), None)
+    if path is None:  # a preset packaged elsewhere: nothing to compare
         return {}
     node = OmegaConf.to_container(OmegaConf.load(path))
     keys = {}

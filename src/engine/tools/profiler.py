@@ -23,22 +23,20 @@ class Profiler(Hook):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "gpuGetDeviceCount failed" on a CPU
-        cuda = run.process.device.type == "cuda"
-        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-        trace = tensorboard_trace_handler(str(run.run_dir / "profile"), f"rank{run.process.rank}")
-        steps = schedule(wait=0, warmup=1, active=run.trainer.profile, repeat=1)
+        folder, cuda = run.run_dir / "profile", run.process.device.type == "cuda"
         self.profile = profile(
-            activities=activities, schedule=steps, on_trace_ready=trace, record_shapes=True
+            activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
+            schedule=schedule(wait=0, warmup=1, active=run.trainer.profile, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(folder), f"rank{run.process.rank}"),
+            record_shapes=True,
         )
         with self.profile:
             yield
         if run.process.is_main:
-            costliest = self.profile.key_averages().table(
-                sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=10
-            )
-            folder = run.run_dir / "profile"
-            log.info("Trace of %d steps in %s/, a file per rank; rank 0's costliest operations:"
-                     "\n%s", run.trainer.profile, folder, costliest)  # fmt: skip
+            sort = f"self_{'cuda' if cuda else 'cpu'}_time_total"
+            costliest = self.profile.key_averages().table(sort_by=sort, row_limit=10)
+            log.info(f"Trace of {run.trainer.profile} steps in {folder}/, a file per rank; rank "
+                     f"0's costliest operations:\n{costliest}")  # fmt: skip
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         self.profile.step()
