@@ -2,6 +2,7 @@
 checked, only that each row was measured."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,19 @@ def test_startup_report_times_the_three_commands(tmp_path, tiny_data):
     ]
     assert all(float(r["fastest_s"]) > 0 and float(r["cpu_median_s"]) > 0 for r in rows)
     assert "the template's own start-up and run" in (out / "table.md").read_text()
+
+
+def test_the_checkpoint_copy_report_measures_resnet18_with_adam():
+    """bench/checkpoint_copy.py (run by .ci/gpu, where the copy costs something) on this CPU:
+    its JSON line, for ResNet-18's 11.2 million float32 weights and Adam's two moments of each
+    (3 × 42.6 MB, and BatchNorm's statistics): about 128 MB of state."""
+    result = subprocess.run(
+        [sys.executable, "bench/checkpoint_copy.py", "--repeats=1"],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    said, line = result.stdout.strip().splitlines()[-2:]
+    figures = json.loads(line)
+    assert figures["device"] == "cpu" and 125 < figures["state_mb"] < 131, figures
+    assert figures["copy_s"] >= 0 and figures["save_s"] > 0, figures
+    assert said.startswith("ResNet-18 with Adam on cpu: 128 MB of state"), said
