@@ -188,6 +188,10 @@ def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test):
     assert found[0] == ("Loss", "loss", [trained, []]) and len(trained) == 6
     assert found[1:] == ([("Mean absolute error", "mean absolute error", [[], [[2.0, 0.32]]])]
                          if test else [])  # fmt: skip
+    # No "val" in the legends: the series without points are left out of them.
+    figure = plots.curves_figure(records)
+    legends = [[text.get_text() for text in axes.get_legend().get_texts()] for axes in figure.axes]
+    assert legends == [["train"], *([["test (weights of that epoch)"]] if test else [])], legends
     path = plots.save(plots.curves_figure(records), tmp_path / "curves.png")
     assert Image.open(path).size == ((1000 if test else 500), 400)
 

@@ -87,9 +87,11 @@ def curves_figure(records: list[dict[str, Any]]) -> Figure:
 
 
 def _plot(axes: Any, records: list[dict[str, Any]], x: str, y: str, *style: str, **options) -> None:
-    """`y` over `x`, of the records that hold `y` (a line even of none, so the legend keeps it)."""
+    """`y` over `x`, of the records that hold `y`: a line even of none, so that each series keeps
+    its colour, but in the legend only with points (no "val" entry without a validation split)."""
     shown = [r for r in records if y in r]
-    axes.plot([r[x] for r in shown], [r[y] for r in shown], *style, **options)
+    label = options.pop("label") if shown else "_" + options.pop("label")  # "_": not in a legend
+    axes.plot([r[x] for r in shown], [r[y] for r in shown], *style, label=label, **options)
 
 
 def predictions(shown: Predicted) -> Figure:
