@@ -1,6 +1,7 @@
 """What a save pays to hold a checkpoint's tensors on the CPU: ResNet-18 with Adam's state, on the
 best device there is, its state copied as `src/engine/checkpoint.py`'s `on_cpu` copies it at each
-save (so that a GPU run's checkpoint loads where no GPU is), beside writing that state to disk.
+save (so that a GPU run's checkpoint loads where no GPU is), beside writing that state to disk as
+a save writes it (`storage.write_atomically`: a partial file, flushed to the disk, renamed).
 
     python bench/checkpoint_copy.py
 
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the engine, from any folder
 
 from src.engine.checkpoint import on_cpu  # noqa: E402
+from src.engine.storage import write_atomically  # noqa: E402
 from src.models import resnet18  # noqa: E402
 
 
@@ -54,7 +56,12 @@ def main() -> None:
     copy_s = timed(lambda: on_cpu(state), device, args.repeats)
     with tempfile.TemporaryDirectory() as folder:
         copied = on_cpu(state)
-        save_s = timed(lambda: torch.save(copied, Path(folder) / "last.pt"), device, args.repeats)
+        path = Path(folder) / "last.pt"
+        save_s = timed(
+            lambda: write_atomically(path, lambda file: torch.save(copied, file)),
+            device,
+            args.repeats,
+        )
     print(
         f"ResNet-18 with Adam on {device}: {megabytes:.0f} MB of state; the copy to the CPU at "
         f"each save {copy_s * 1000:.1f} ms, writing it {save_s * 1000:.1f} ms"

@@ -128,11 +128,13 @@ def test_the_checkpoint_copy_report_measures_resnet18_with_adam():
     (3 × 42.6 MB, and BatchNorm's statistics): about 128 MB of state."""
     result = subprocess.run(
         [sys.executable, "bench/checkpoint_copy.py", "--repeats=1"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=offline_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     said, line = result.stdout.strip().splitlines()[-2:]
     figures = json.loads(line)
     assert figures["device"] == "cpu" and 125 < figures["state_mb"] < 131, figures
-    assert figures["copy_s"] >= 0 and figures["save_s"] > 0, figures
+    # The CPU's tensors are not copied (on_cpu keeps them): far less than the file's write.
+    assert figures["copy_s"] < figures["save_s"], figures
     assert said.startswith("ResNet-18 with Adam on cpu: 128 MB of state"), said

@@ -796,6 +796,16 @@ def test_a_resume_into_another_mode_says_so_in_one_line(caplog):
         "this config",
         "trainer.epochs 2 → 4 from this config",
     ]
+    # A group inside a group, both switched (a model's encoder of another class): the outer's
+    # line alone, whatever the inner's name sorts as.
+    for inner in ("Enc", "0", "encoder"):
+        caplog.clear()
+        old = {"_target_": "a.Net", inner: {"_target_": "a.Enc", "width": 4}}
+        new = {"_target_": "b.Net", inner: {"_target_": "b.Enc", "depth": 2}}
+        check_changes({"model": old}, {"model": new}, "last.pt")
+        assert [r.getMessage() for r in caplog.records] == [
+            "model._target_ a.Net → b.Net from this config"
+        ], inner
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def test_curves_of_a_classification_leave_its_count_out(tmp_path):
 
 
 @pytest.mark.parametrize("test", [0.32, None])
-def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test):
+def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test, caplog):
     """data.val_size=0: the training loss; and the test, if the run got to it."""
     records = run_records("mae", [0.4, 0.3, 0.35], test, val=False)
     found = panels(records)
@@ -188,7 +189,12 @@ def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test):
     assert found[0] == ("Loss", "loss", [trained, []]) and len(trained) == 6
     assert found[1:] == ([("Mean absolute error", "mean absolute error", [[], [[2.0, 0.32]]])]
                          if test else [])  # fmt: skip
-    # No "val" in the legends: the series without points are left out of them.
+    # No "val" in the legends: the series without points are left out of them; an evaluation
+    # (train=false) without a validation split has a Loss panel with no legend, and no warning.
+    tested = [r for r in records if "test/loss" in r]
+    with caplog.at_level(logging.WARNING, logger="matplotlib"):
+        evaluated = plots.curves_figure(tested)
+    assert evaluated.axes[0].get_legend() is None and not caplog.records, caplog.text
     figure = plots.curves_figure(records)
     legends = [[text.get_text() for text in axes.get_legend().get_texts()] for axes in figure.axes]
     assert legends == [["train"], *([["test (weights of that epoch)"]] if test else [])], legends

@@ -559,7 +559,7 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
         if key.split(".")[0] in QUIET or before.get(key) == after.get(key):
             continue
         under = [target for target in switched if key.startswith(target.removesuffix("_target_"))]
-        if not under or key == under[0]:
+        if not under or under == [key]:  # a switched group's own line, the outermost's alone
             log.info("%s %s → %s from this config", key, before.get(key), after.get(key))
 
 

@@ -102,9 +102,9 @@ def train_step(
     run: Run, parts: Parts, batch: Batch, measure_norm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on this rank's share of a global batch, in `accumulate_grad_batches`
-    micro-batches whose losses are sums over the global count of terms times the ranks: their
-    gradients add up, DDP averages the ranks', and the global batch's mean is left, however unevenly
-    its terms fall. Returns this rank's part of it and the gradients' norm (if clipped or asked)."""
+    micro-batches, each one's sum of terms divided by the global count per rank (count / ranks):
+    the gradients add up, DDP averages the ranks', and the mean over the global batch is left,
+    however its terms fall. Returns this rank's part and the gradients' norm if clipped or asked."""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     task, process, trainer, strategy = run.task, run.process, run.trainer, run.strategy
     inputs, targets, global_size = batch

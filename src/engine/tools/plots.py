@@ -74,7 +74,8 @@ def curves_figure(records: list[dict[str, Any]]) -> Figure:
     _plot(loss_axes, records, "step", "train/loss", label="train")
     _plot(loss_axes, evals, "step", "val/loss", "o-", label="val")
     loss_axes.set(xlabel="optimizer step", ylabel="loss", title="Loss")
-    loss_axes.legend()
+    if loss_axes.get_legend_handles_labels()[0]:  # none without training or a validation split
+        loss_axes.legend()
     star = {"markersize": 12, "label": "test (weights of that epoch)"}
     for name, panel in zip(names, metric_axes, strict=True):
         _plot(panel, evals, "epoch", f"val/{name}", "o-", label="val")
