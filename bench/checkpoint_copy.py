@@ -51,7 +51,8 @@ def main() -> None:
     torch.nn.functional.cross_entropy(model(images), torch.arange(8, device=device)).backward()
     optimizer.step()  # Adam's moments exist: the state a save holds
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    tensors = [t for part in state.values() for t in _tensors(part)]
+    moments = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [*state["model"].values(), *moments]  # all the state's tensors
     megabytes = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     copy_s = timed(lambda: on_cpu(state), device, args.repeats)
     with tempfile.TemporaryDirectory() as folder:
@@ -68,18 +69,6 @@ def main() -> None:
     )
     line = {"device": str(device), "state_mb": megabytes, "copy_s": copy_s, "save_s": save_s}
     print(json.dumps({**line, "torch": torch.__version__}))
-
-
-def _tensors(value):
-    """Every tensor in a state's nested dicts and lists."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 if __name__ == "__main__":
