@@ -198,7 +198,7 @@ def test_curves_without_a_validation_still_plot_the_loss(tmp_path, test, caplog)
     figure = plots.curves_figure(records)
     legends = [[text.get_text() for text in axes.get_legend().get_texts()] for axes in figure.axes]
     assert legends == [["train"], *([["test (weights of that epoch)"]] if test else [])], legends
-    path = plots.save(plots.curves_figure(records), tmp_path / "curves.png")
+    path = plots.save(figure, tmp_path / "curves.png")
     assert Image.open(path).size == ((1000 if test else 500), 400)
 
 

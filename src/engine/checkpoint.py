@@ -93,7 +93,8 @@ class RandomState:
 
 
 def on_cpu(value: Any) -> Any:
-    """`value` (nested dicts, lists, tuples) with its tensors on the CPU: a file read anywhere."""
+    """`value` (nested dicts, lists, tuples) with its tensors on the CPU, so that the file loads
+    where no GPU is; the tensors already there are not copied."""
     if torch.is_tensor(value):
         return value.cpu()
     if isinstance(value, dict):
