@@ -134,27 +134,26 @@ def build_strategy(node: Any) -> Strategy:
 
 @contextmanager
 def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[MetricsLogger | None]:
-    """The run begins, all checked: Hydra's files kept, the `resumed` run's best.pt taken,
-    config_resolved.yaml written and printed, the main process's logger opened (or continued)."""
+    """The run begins, all checked: Hydra's files kept, the main process's logger opened (or
+    continued), the `resumed` run's best.pt taken, config_resolved.yaml written and printed."""
     settings, process, run_dir = run.settings, run.process, run.run_dir
-    storage.admit()
-    checkpoint.take_best(resumed, run_dir, process)
     path, text = run_dir / "config_resolved.yaml", OmegaConf.to_yaml(settings.config)
-
-    def write() -> None:
-        log.info("Config:\n%s", text)
-        storage.write_atomically(path, lambda file: file.write(text.encode()))
-
-    if unwritten := storage.on_main(process, write):
-        at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint and step
-        raise storage.stopped(unwritten, run_dir, None, at)
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
         given |= tracker_defaults(cfg.logger, settings, run_dir)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
+    def write() -> None:
+        log.info("Config:\n%s", text)
+        storage.write_atomically(path, lambda file: file.write(text.encode()))
+
+    storage.admit()
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
+        checkpoint.take_best(resumed, run_dir, process)
+        if unwritten := storage.on_main(process, write):
+            at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint, step
+            raise storage.stopped(unwritten, run_dir, None, at)
         if run.checkpointer:  # its checkpoints name the wandb run that a resume continues
             run.checkpointer.metadata["wandb_id"] = logger and logger.run_id
         yield logger

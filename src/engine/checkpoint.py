@@ -350,9 +350,11 @@ def take_best(resumed: tuple | None, run_dir: Path, process: Process) -> None:
     (path, state), fault = resumed, None
     source, target = _best_pts(path, run_dir)
     if process.is_main and source.is_file() and source.resolve() != target.resolve():
-        fault = storage.attempt(lambda: _copy(source, target), target)
-    if fault := process.broadcast_object(fault):
-        raise storage.stopped(fault, run_dir, None, (path, state["progress"]["step"]))
+        try:
+            _copy(source, target)
+        except OSError as err:  # every rank stops with the main's message
+            fault = storage.Fault.of(err, target)
+    storage.stop_together(process, fault, run_dir, None, (path, state["progress"]["step"]))
 
 
 def find_weights(settings: Settings, process: Process) -> tuple[Path, dict] | None:
