@@ -40,7 +40,9 @@ def train(
         with Interrupts(process, when) as interrupts:
             run_dir = shared_run_dir(process, run_dir)
             log.info("Run folder: %s", run_dir)
-            with storage.held(run_dir, process, settings.train):  # one run per folder
+            if not settings.train:  # an evaluation writes records of its own
+                storage.refuse_records(run_dir, process)
+            with storage.held(run_dir, process):  # one run per folder
                 resumed, weights = checkpoint.starting_point(settings, run_dir, process)
                 run = build_run(cfg, settings, process, run_dir)  # the data, checked
                 model = build_model(cfg, run, weights)
@@ -57,9 +59,9 @@ def train(
                     else:  # train=false: the checkpoint's weights, on the validation split too
                         fitted, result = evaluate_weights(run, model, weights)
                     test(run, model, fitted)  # once, at the end
-                    plots.finish(run, model, fitted.step, settings.config["plots"])
                     if run.logger and settings.train:  # logger.log_checkpoints: to the tracker
                         run.logger.checkpoints(run.checkpointer.files())
+                    plots.finish(run, model, fitted.step, settings.config["plots"])
     except BaseException:
         storage.restore()  # refused before it began: its folder as it was (else nothing to do)
         raise

@@ -151,19 +151,23 @@ def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -
     )
 
 
-@contextmanager
-def held(run_dir: Path, process: Process, train: bool = True) -> Iterator[None]:
-    """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
-    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken. An
-    evaluation is refused a training run's folder, whose records it would replace."""
-    lock, me, refusal = run_dir / LOCK, holder_of_lock(), None
-    if process.is_main and not train and trained_in(run_dir):
-        refusal = (
+def refuse_records(run_dir: Path, process: Process) -> None:
+    """Refuse an evaluation (train=false) the folder of a training run, whose records it would
+    replace with its own."""
+    if process.broadcast_object(process.is_main and trained_in(run_dir)):
+        raise UserError(
             f"{run_dir} holds a run's records (metrics.jsonl, config_resolved.yaml, .hydra/), "
             "which an evaluation (train=false) would replace with its own: give it a folder of "
             "its own (hydra.run.dir=...); ckpt_path can stay where it is."
         )
-    elif process.is_main:
+
+
+@contextmanager
+def held(run_dir: Path, process: Process) -> Iterator[None]:
+    """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
+    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken."""
+    lock, me, refusal = run_dir / LOCK, holder_of_lock(), None
+    if process.is_main:
         try:
             refusal = _take(lock, me)
         except OSError as err:
