@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from src.datasets import Tensors
 from src.engine.data import Data
@@ -40,6 +41,19 @@ class Tabular:
             if self.whole
             else list(zip(features, labels.tolist(), strict=True))
         )
+
+
+class TorchTabular(Tabular):
+    """Tabular's splits as torch's own TensorDataset (its `tensors` a tuple, not a method), or,
+    with `parts=3`, a TensorDataset of three tensors, which is no (input, target) pair."""
+
+    def __init__(self, num_classes: int, seed: int, parts: int = 2):
+        super().__init__(num_classes, seed)
+        self.parts = parts
+
+    def split(self, name: str):
+        features, labels = super().split(name).tensors()
+        return TensorDataset(features, labels, *[labels] * (self.parts - 2))
 
 
 class NoisyTabular(Tabular):
@@ -119,6 +133,7 @@ class Ragged:
 KINDS = {
     "features": ("Tabular", {"num_classes": 3}),
     "features-one-by-one": ("Tabular", {"num_classes": 3, "whole": False}),
+    "features-torch-tensordataset": ("TorchTabular", {"num_classes": 3}),
     "tokens": ("Tokens", {"num_classes": 50}),
     "pictures": ("Pictures", {}),
 }
@@ -292,6 +307,11 @@ BAD = {
         r"^Sample 3 of the train split of .* has the target float32 scalar and sample 0 int64 "
         r"scalar: the fast path needs one shape and dtype.$",
     ),
+    "three parts to a sample": (
+        "TorchTabular", {"num_classes": 3, "parts": 3},
+        r"^Sample 0 of the train split of .* has 3 parts: a dataset gives \(input, target\) "
+        r"pairs. Return each sample's input and target alone.$",
+    ),
     "tokens over num_classes": (
         "Tokens", {"num_classes": 10},  # the class draws tokens below 50
         r"^The train split of .* has label 49, but data.num_classes=10. Set it to 50.$",
@@ -299,13 +319,17 @@ BAD = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("how", BAD)
-def test_bad_data_are_refused_in_one_sentence(how, tmp_path, monkeypatch):
-    """Each before training, in setup, and nothing written."""
+@pytest.mark.parametrize(
+    ("how", "loader"),
+    [(how, "tensor") for how in BAD] + [("three parts to a sample", "torch")],
+)
+def test_bad_data_are_refused_in_one_sentence(how, loader, tmp_path, monkeypatch):
+    """Each before training, in setup, and nothing written (samples of any shape pass
+    loader=torch's setup: its DataLoader reads them later, one batch at a time)."""
     dataset, options, message = BAD[how]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=message):
-        ready(data_of(dataset, **options))
+        ready(data_of(dataset, loader=loader, **options))
     assert list(tmp_path.iterdir()) == []
 
 

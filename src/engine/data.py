@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.engine import storage
 from src.engine.errors import UserError, first_line
@@ -194,10 +194,17 @@ class Data:
     def _read(self, name: str) -> Split:
         """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
         dataset = self.source.split(name)
+        if self.loader == "tensor" and callable(tensors := getattr(dataset, "tensors", None)):
+            return tensors()
+        if len(sample := dataset[0]) != 2:
+            raise UserError(
+                f"Sample 0 of the {name} split of {self.source} has {len(sample)} parts: a "
+                "dataset gives (input, target) pairs. Return each sample's input and target alone."
+            )
         if self.loader == "torch":
             return dataset
-        if hasattr(dataset, "tensors"):
-            return dataset.tensors()
+        if isinstance(dataset, TensorDataset):  # torch's own: its `tensors` a tuple
+            return dataset.tensors
         if hasattr(self.source, "cache_path"):
             return cached(self.source, name, dataset)
         return decode(dataset, name, self.source)
