@@ -251,6 +251,11 @@ def test_every_yaml_key_has_a_comment():
             "monitor=val/f1 is not a metric this task returns: use val/loss or val/acc",
         ),
         ("checkpoint.monitor=test/acc", "checkpoint.monitor=test/acc is not allowed"),
+        ("+trainer.epoch=2", r"^trainer.epoch is not a key of trainer: Trainer \(src/engine/"
+         r"config.py\) has no field of that name. Did you mean trainer.epochs\? \(python "
+         r"train.py --cfg job shows the keys\).$"),  # Hydra lets a `+` key into the schema
+        ("+checkpoint.zzz=1", r"^checkpoint.zzz is not a key of checkpoint: .* no field of that "
+         r"name. Check its spelling \(python train.py --cfg job shows the keys\).$"),
         ("parallel=ddp parallel.nproc_per_node=0", "^parallel.nproc_per_node=0 is not allowed: "
          "use null or at least 1.$"),
         ("parallel=ddp parallel.backend=mpi2", "^parallel.backend=mpi2 is not allowed: use auto, "

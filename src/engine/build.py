@@ -4,6 +4,7 @@ data, the model, the optimizer, the schedule, the checkpoint's parts; below, onl
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
@@ -383,19 +384,27 @@ def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False
                     f"{value!r}`.",
                     every_rank=True,
                 )
+    fields = cls.__dataclass_fields__  # a key Hydra let through (+trainer.epoch=2) is no field
+    key = next((key for key in values if key not in fields), None)
     try:
-        return (
-            cls(**values) if checked else OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
-        )
+        if key is None:
+            return (
+                cls(**values)
+                if checked
+                else OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
+            )
     except ConfigKeyError as err:
-        raise UserError(
-            f"{section}.{err.key} is not a key of {section}: {cls.__name__} ({where(cls)}) has "
-            "no field of that name. Check its spelling (python train.py --cfg job shows the keys).",
-            every_rank=True,
-        ) from None
+        key = err.key
     except ValidationError as err:
         raise UserError(
             f"{section}.{err.full_key}={values.get(err.full_key, err.value)} is not allowed: "
             f"{first_line(err)} (the type of {cls.__name__}.{err.full_key}).",
             every_rank=True,
         ) from None
+    close = difflib.get_close_matches(str(key), fields, n=1)
+    raise UserError(
+        f"{section}.{key} is not a key of {section}: {cls.__name__} ({where(cls)}) has no field "
+        f"of that name. {f'Did you mean {section}.{close[0]}?' if close else 'Check its spelling'}"
+        " (python train.py --cfg job shows the keys).",
+        every_rank=True,
+    )
