@@ -414,7 +414,13 @@ STAND_IN = [torch.zeros(1, requires_grad=True)]  # a parameter to build an optim
         ("model._target_=src.models.Nope", "model", r"^model._target_=src.models.Nope cannot be "
          "imported: check its module and class name"),
         ("task._target_=src.tasks.Nope", "task", r"^task._target_=src.tasks.Nope cannot be "
-         "imported"),
+         "imported: check"),
+        ("model._target_=broken_fork.Net", "model", r"^model._target_=broken_fork.Net cannot be "
+         r"imported \(name 'nn' is not defined\): check its module and class name"),
+        ("task._target_=broken_fork.Net", "task", r"^task._target_=broken_fork.Net cannot be "
+         r"imported \(name 'nn' is not defined\)"),
+        ("data.dataset=broken_fork.Net", "data", r"^data.dataset=broken_fork.Net is no class "
+         r"that can be imported \(name 'nn' is not defined\)"),
         ("data.dataset=src.datasets.Nope", "data", r"^data.dataset=src.datasets.Nope is no class "
          r"that can be imported \(module 'src.datasets' has no attribute 'Nope'\): give a "
          "dataset class's dotted path"),

@@ -333,10 +333,12 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         cause, target = err.__cause__, node.get("_target_")
         if isinstance(cause, UserError):  # the class's own sentence
             raise cause from None
-        if isinstance(cause, ImportError):
+        if isinstance(cause, ImportError):  # what its module raised, unless the class is missing
+            inner = cause.__cause__ or cause
+            said = "" if getattr(inner, "name", None) == target else f" ({first_line(inner)})"
             raise UserError(
-                f"{group}._target_={target} cannot be imported: check its module and class name "
-                f"(or choose a {group} config: python train.py --help lists them).",
+                f"{group}._target_={target} cannot be imported{said}: check its module and class "
+                f"name (or choose a {group} config: python train.py --help lists them).",
                 every_rank=True,
             ) from None
         signature = isinstance(cause, TypeError) and any(s in str(cause) for s in SIGNATURE)

@@ -100,7 +100,7 @@ class Data:
             if not module:
                 raise ImportError("not a dotted path, module.Class")
             source = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - what the module raised as it was imported
             raise UserError(
                 f"data.dataset={dataset} is no class that can be imported ({first_line(err)}): "
                 "give a dataset class's dotted path (src.datasets.IDX, or your own), or choose a "
