@@ -466,6 +466,12 @@ MISTAKES_REFUSED = {
         r"torch.float32 inputs stopped it with: mat1 and mat2 shapes cannot be multiplied "
         r"\(2x784 and 1024x512\)\. Give the model the data's shape ",
     ),
+    "an image model for samples that are not images": (
+        ["experiment=counting", "model=mlp"],
+        r"^model.in_channels takes the data's in_channels, and .* gives int64 16 samples, not "
+        r"images: pick a model that takes the data's input_shape, or set model.in_channels=\.\.\. "
+        r"yourself\.$",
+    ),
     "a model with more classes than the data": (
         ["model.num_classes=12", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
         r"^model.num_classes=12, but the data have 10 classes: a score for each is what the model "

@@ -28,6 +28,7 @@ from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, S
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
 from src.engine.core.task import CONTRACT, place, preflight
+from src.engine.data import kind
 from src.engine.errors import UserError, first_line, refuse, where
 from src.engine.guards import drift
 from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count
@@ -210,6 +211,13 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     configure_kernels(trainer)
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
+    if lacking := [key for key in ("in_channels", "image_size") if key in found and not found[key]]:
+        raise UserError(
+            f"model.{lacking[0]} takes the data's {lacking[0]}, and {data.source} gives "
+            f"{kind(data.input_dtype, data.input_shape)} samples, not images: pick a model that "
+            f"takes the data's input_shape, or set model.{lacking[0]}=... yourself.",
+            every_rank=True,
+        )
     if cfg.model.get("num_classes") not in (None, data.num_classes) and data.num_classes:
         raise UserError(
             f"model.num_classes={cfg.model.num_classes}, but the data have {data.num_classes} "
