@@ -608,7 +608,8 @@ def test_the_worked_fork_trains_the_same_in_every_mode(tmp_path):
 
     ok(launch(run["one"], tmp_path, *SMALL, "trainer.epochs=2", here("one")))
     ok(launch(run["ddp"], tmp_path, *SMALL, "trainer.epochs=1", here("ddp")))
-    assert "DDP: 2 processes" in (folder["ddp"] / "train.log").read_text()
+    logged = (folder["ddp"] / "train.log").read_text()
+    assert "DDP: 2 processes" in logged and re.search(r"trained in .* \(\d+ samples/s\)", logged)
     ok(launch(run["one"], tmp_path, *SMALL, "trainer.epochs=2", here("ddp")))  # resume=auto
     ok(
         launch(
@@ -688,7 +689,8 @@ def test_a_torchmetrics_metric_is_the_same_in_one_process_and_under_ddp(tmp_path
     folder = {name: tmp_path / "outputs" / name for name in ("one", "ddp", "eval")}
     ok(launch(one, tmp_path, *SMALL, "trainer.epochs=1", f"hydra.run.dir={folder['one']}"))
     ok(launch(ddp, tmp_path, *SMALL, "trainer.epochs=1", f"hydra.run.dir={folder['ddp']}"))
-    assert "DDP: 2 processes" in (folder["ddp"] / "train.log").read_text()
+    logged = (folder["ddp"] / "train.log").read_text()
+    assert "DDP: 2 processes" in logged and re.search(r"trained in .* \(\d+ samples/s\)", logged)
     best = folder["one"] / "checkpoints" / "best.pt"
     evaluated = ["train=false", f"ckpt_path={best}", f"hydra.run.dir={folder['eval']}"]
     ok(launch(ddp, tmp_path, *SMALL, *evaluated))

@@ -45,7 +45,8 @@ class Speed(Hook):
         epoch = progress.epoch
         if epoch % run.trainer.log_every_n_epochs == 0 or epoch == run.trainer.epochs:
             log.info(  # metrics.jsonl gets every epoch's
-                f"epoch {epoch} trained in {seconds:.2f} s ({images / seconds:.0f} images/s), peak "
+                f"epoch {epoch} trained in {seconds:.2f} s ({images / seconds:.0f} "
+                f"{'images' if data.is_image else 'samples'}/s), peak "
                 f"memory {peak:.0f} MB (weights, gradients and optimizer state {state:.1f} MB)"
             )
         if run.logger:
