@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from src.engine import launch
 from src.engine.build import read_settings
+from src.engine.data import check_shares
 from src.engine.run import train
 from src.engine.tools import equivalence
 
@@ -35,7 +36,8 @@ def main(cfg: DictConfig) -> float | None:
     settings = read_settings(cfg)  # the config's values checked before any work
     parallel = settings.parallel
     if launch.starts_workers_here(parallel.in_group):  # ddp, fsdp: the processes start here
-        return launch.start_workers(train, cfg, parallel.processes(cfg.device))
+        check_shares(cfg.data.batch_size, nproc := parallel.processes(cfg.device))  # before them
+        return launch.start_workers(train, cfg, nproc)
     return train(cfg, settings=settings)
 
 

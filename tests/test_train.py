@@ -127,19 +127,30 @@ def test_dp_without_gpus_warns_once_and_trains_like_none(tmp_path, tiny_data):
 
 def test_ddp_batch_size_must_divide(tmp_path, tiny_data):
     """Every rank finds the mistake; rank 0 says it after the run's log, torchrun's report quotes
-    it once, as rank 0's, its root cause, and the other rank's entry points to it."""
-    result = train(
-        [f"data.root={tiny_data}", "logger=none", "parallel=ddp", "data.batch_size=63"],
-        tmp_path,
-        nproc=2,
-    )
+    it once, as rank 0's, its root cause, and the other rank's entry points to it. The config's
+    parallel.nproc_per_node, which torchrun's count overrides, is said to be unused, once."""
+    overrides = ["parallel=ddp", "parallel.nproc_per_node=3", "data.batch_size=63"]
+    result = train([f"data.root={tiny_data}", "logger=none", *overrides], tmp_path, nproc=2)
     assert result.returncode != 0
+    unused = "parallel.nproc_per_node=3 is not used: the launcher started 2 processes on this "
+    assert printed(result).count(unused) == 1
     said, report = printed(result).split("FAILED\n")  # the workers' output, torchrun's report
     for text in (said, report):
         assert text.count("data.batch_size=63 does not divide over 2 processes") == 1, text
     other, root_cause = report.split("Root Cause")
     assert "rank      : 0 (local_rank: 0)" in root_cause and "does not divide" in root_cause
     assert "stopped: local rank 0 failed first, with the same mistake (the root cause)" in other
+
+
+def test_a_batch_that_the_processes_cannot_share_is_refused_before_they_start(tmp_path, tiny_data):
+    """Self-launched, the batch size is checked against the processes to start, before any is."""
+    overrides = ["parallel=ddp", "parallel.nproc_per_node=3", "data.batch_size=64"]
+    result = train([*overrides, f"data.root={tiny_data}", "logger=none"], tmp_path)
+    assert result.returncode != 0
+    assert "data.batch_size=64 does not divide over 3 processes: use a multiple of 3" in (
+        result.stderr
+    )
+    assert "Starting 3 processes" not in printed(result) and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

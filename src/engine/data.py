@@ -124,12 +124,7 @@ class Data:
         memory_format: torch.memory_format = torch.contiguous_format,
     ) -> None:
         """Find (or download) the files and hold the splits, for a model of `dtype` and layout."""
-        if self.batch_size < 1 or self.batch_size % process.world_size:
-            raise UserError(
-                f"data.batch_size={self.batch_size} does not divide over {process.world_size} "
-                f"processes: use a multiple of {process.world_size} (the ranks share it equally).",
-                every_rank=True,
-            )
+        check_shares(self.batch_size, process.world_size)
         # One process per machine finds (or downloads) the files and decodes them while the others
         # wait; gathering its verdict is the barrier, and every rank stops on an error.
         error, splits = None, ()
@@ -383,6 +378,16 @@ class Data:
         for index in indices:  # no per-sample Python
             # index_select: the same rows as inputs[index], several times faster on a CPU.
             yield tuple(t.index_select(0, index) for t in getattr(self, split))
+
+
+def check_shares(batch_size: int, world_size: int) -> None:
+    """Refuse a batch size that `world_size` ranks cannot share equally."""
+    if batch_size < 1 or batch_size % world_size:
+        raise UserError(
+            f"data.batch_size={batch_size} does not divide over {world_size} processes: use a "
+            f"multiple of {world_size} (the ranks share it equally).",
+            every_rank=True,
+        )
 
 
 def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:

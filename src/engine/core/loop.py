@@ -58,8 +58,7 @@ def why_finished(progress: Progress, run: Run) -> str:
             f"early stopping: {best.monitor} has not improved for {best.stale} validations; the "
             f"best, {best.value:.4f}, was at epoch {best.epoch}"
         )
-    past = f", past trainer.epochs={trainer.epochs}" if progress.epoch - 1 > trainer.epochs else ""
-    return f"{progress.epoch - 1} epoch(s) done{past}" if progress.epoch > trainer.epochs else ""
+    return f"{progress.epoch - 1} epoch(s) done" if progress.epoch > trainer.epochs else ""
 
 
 def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:

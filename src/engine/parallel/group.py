@@ -105,6 +105,12 @@ class GroupStrategy(Strategy):
                 "torch.distributed.launch is deprecated; launch with torchrun instead: "
                 "torchrun --nproc_per_node=N train.py parallel=ddp"
             )
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if self.nproc_per_node not in (None, here) and process.is_main:  # torchrun's count rules
+            log.warning(
+                f"parallel.nproc_per_node={self.nproc_per_node} is not used: the launcher started "
+                f"{here} processes on this machine (torchrun --nproc_per_node sets their number)."
+            )
         shown = (mode.upper(), world, backend, rank, device, torch.get_num_threads())
         log.info("%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads", *shown)
         return process
