@@ -394,7 +394,7 @@ def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False
                     f"{value!r}`.",
                     every_rank=True,
                 )
-    fields = cls.__dataclass_fields__  # a key Hydra let through (+trainer.epoch=2) is no field
+    fields = [f.name for f in dataclasses.fields(cls)]  # a key Hydra let in (+trainer.epoch=2)
     key = next((key for key in values if key not in fields), None)
     try:
         if key is None:
