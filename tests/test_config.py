@@ -5,6 +5,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -101,6 +102,16 @@ def test_a_setting_of_any_type_is_checked_and_one_without_a_type_is_named():
     untyped = r"^tests/test_config.py: Untyped.width = 3 has no type, so it is no key of trainer: "
     with pytest.raises(UserError, match=untyped + "declare it as a field, `width: int = 3`.$"):
         typed(Untyped, {}, "trainer")
+
+    @dataclass
+    class Shared(Mine):
+        kind: ClassVar[str] = "mine"  # the class's, not a key
+
+    for checked in (False, True):  # checked: composed on the schema, where `+` lets keys in
+        with pytest.raises(UserError, match=r"^trainer.kind is not a key of trainer: Shared "):
+            typed(Shared, {"kind": "yours"}, "trainer", checked)
+        with pytest.raises(UserError, match=r"no field of that name. Did you mean trainer.rate\?"):
+            typed(Shared, {"rat": 1.0}, "trainer", checked)
 
 
 @pytest.mark.unit
