@@ -309,7 +309,8 @@ BAD = {
     ),
     "three parts to a sample": (
         "TorchTabular", {"num_classes": 3, "parts": 3},
-        r"^Sample 0 of the train split of .* has 3 parts: a dataset gives \(input, target\) "
+        r"^Sample 0 of the train split of TorchTabular \(\S*tests/test_any_data.py\) has 3 parts: "
+        r"a dataset gives \(input, target\) "
         r"pairs. Return each sample's input and target alone.$",
     ),
     "tokens over num_classes": (

@@ -213,7 +213,7 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     if lacking := [key for key in ("in_channels", "image_size") if key in found and not found[key]]:
         raise UserError(
-            f"model.{lacking[0]} takes the data's {lacking[0]}, and {data.source} gives "
+            f"model.{lacking[0]} takes the data's {lacking[0]}, and {data.name} gives "
             f"{kind(data.input_dtype, data.input_shape)} samples, not images: pick a model that "
             f"takes the data's input_shape, or set model.{lacking[0]}=... yourself.",
             every_rank=True,

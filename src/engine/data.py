@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.engine import storage
-from src.engine.errors import UserError, first_line
+from src.engine.errors import UserError, first_line, where
 from src.engine.parallel import Process
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,11 @@ class Data:
         self.class_names = list(class_names) if class_names else None
         self.batch_size, self.test_batch_size = batch_size, test_batch_size
 
+    @property
+    def name(self) -> str:
+        """The dataset as messages name it (where its files were found, once they are)."""
+        return named(self.source)
+
     def setup(
         self,
         process: Process,
@@ -160,7 +165,7 @@ class Data:
             "Data: %d training, %d validation (data.val_size) and %d test %s from %s%s",
             *(self.size(split) for split in ("train", "val", "test")),
             what,
-            self.source,
+            self.name,
             evaluated if self.eval_subset else "",
         )
         if self.rank == 0 and self.batch_size > self.size("train"):
@@ -174,7 +179,7 @@ class Data:
             log.warning(
                 "%s holds one class: a classifier is right from the start and learns nothing. "
                 "Give it two classes or more.",
-                self.source,
+                self.name,
             )
 
     def _data_loaders(self) -> None:
@@ -193,7 +198,7 @@ class Data:
             return tensors()
         if len(sample := dataset[0]) != 2:
             raise UserError(
-                f"Sample 0 of the {name} split of {self.source} has {len(sample)} parts: a "
+                f"Sample 0 of the {name} split of {self.name} has {len(sample)} parts: a "
                 "dataset gives (input, target) pairs. Return each sample's input and target alone."
             )
         if self.loader == "torch":
@@ -202,7 +207,7 @@ class Data:
             return dataset.tensors
         if hasattr(self.source, "cache_path"):
             return cached(self.source, name, dataset)
-        return decode(dataset, name, self.source)
+        return decode(dataset, name, self.name)
 
     def _hold(self, train: Split, test: Split) -> None:
         """The validation split carved out of `train`; tensors moved to the training device."""
@@ -212,7 +217,7 @@ class Data:
         if self.val_size >= count:
             raise UserError(
                 f"data.val_size={self.val_size} leaves no training images: the training split "
-                f"of {self.source} holds {count}. Hold out fewer (0 for none)."
+                f"of {self.name} holds {count}. Hold out fewer (0 for none)."
             )
         # Positions in the training split, drawn by split_seed alone; `subset` takes the first.
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.split_seed))
@@ -246,13 +251,13 @@ class Data:
             self.num_classes = len(classes or ())
         elif classes and len(classes) != self.num_classes:
             raise UserError(
-                f"data.num_classes={self.num_classes}, but {self.source} has {len(classes)} "
+                f"data.num_classes={self.num_classes}, but {self.name} has {len(classes)} "
                 f"classes. Set it to {len(classes)}, or to null to take the number found."
             )
         self.class_names = self.class_names or classes
         if self.class_names and self.num_classes and len(self.class_names) != self.num_classes:
             raise UserError(
-                f"data.class_names has {len(self.class_names)} names, and {self.source} has "
+                f"data.class_names has {len(self.class_names)} names, and {self.name} has "
                 f"{self.num_classes} classes: give one name per class, in the order of their "
                 "numbers, or null (the names found).",
                 every_rank=True,
@@ -261,7 +266,7 @@ class Data:
             found = labels_of(getattr(self, split))
             if found is not None and found.numel() and found.max() >= self.num_classes:
                 raise UserError(
-                    f"The {split} split of {self.source} has label {found.max().item()}, but "
+                    f"The {split} split of {self.name} has label {found.max().item()}, but "
                     f"data.num_classes={self.num_classes}. Set it to {found.max().item() + 1}."
                 )
 
@@ -272,13 +277,13 @@ class Data:
         if unused := [f"data.{k}={getattr(self, k)}" for k in keys]:
             normalise = "normalises" if len(unused) == 1 else "normalise"
             raise UserError(
-                f"{' and '.join(unused)} {normalise} uint8 C×H×W images only, but {self.source} "
+                f"{' and '.join(unused)} {normalise} uint8 C×H×W images only, but {self.name} "
                 f"gives {inputs}: set data.mean and data.std to null (normalise such inputs in "
                 "the dataset class or the model)."
             )
         if self.augment and "augment" not in self.takes:
             raise UserError(
-                f"data.augment=true crops and flips uint8 C×H×W images only, but {self.source} "
+                f"data.augment=true crops and flips uint8 C×H×W images only, but {self.name} "
                 f"gives {inputs}: set data.augment=false."
             )
 
@@ -295,7 +300,7 @@ class Data:
             )
             if not all(std):
                 raise UserError(
-                    f"The training images of {self.source} are all one colour (std {std}): "
+                    f"The training images of {self.name} are all one colour (std {std}): "
                     "nothing to learn from. Check data.root."
                 )
             mean = mean if self.mean is None else self.mean  # either may have been given
@@ -390,6 +395,14 @@ def check_shares(batch_size: int, world_size: int) -> None:
         )
 
 
+def named(source: object) -> str:
+    """A dataset class's object as messages name it: by its `__str__` (where its files are), else
+    by its class and the class's file."""
+    if type(source).__str__ is not object.__str__:
+        return str(source)
+    return f"{type(source).__name__} ({where(type(source))})"
+
+
 def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     """A sample's dtype and shape, for messages: `float32 20`, `int64 16`, `uint8 3×32×32`."""
     return f"{str(dtype).removeprefix('torch.')} {'×'.join(map(str, shape)) or 'scalar'}"
@@ -455,7 +468,7 @@ def cached(source, name: str, dataset: Dataset) -> Batch:
             )
         except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
             log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
-    images, labels = decode(dataset, name, source)
+    images, labels = decode(dataset, name, named(source))
     cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
     try:
         storage.write_atomically(path, lambda file: torch.save(cache, file))
@@ -464,7 +477,7 @@ def cached(source, name: str, dataset: Dataset) -> Batch:
     return images, labels
 
 
-def decode(dataset: Dataset, split: str, source: object) -> Batch:
+def decode(dataset: Dataset, split: str, source: str) -> Batch:
     """Every sample of `dataset`, one at a time, into a tensor of inputs and one of targets."""
     first = [torch.as_tensor(part) for part in dataset[0]]
     noun = "images" if is_image(first[0]) else "samples"
