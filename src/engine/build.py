@@ -62,11 +62,8 @@ def read_settings(cfg: DictConfig) -> Settings:
     try:  # also a model's keys that name the data's (${data.in_channels}) the data config lacks
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except InterpolationKeyError as err:
-        raise UserError(
-            f"{err.full_key} takes the data's {err.key}, and data.dataset="
-            f"{cfg.data.get('dataset')} has none (not images?): pick a model that takes the "
-            f"data's input_shape, or set {err.full_key}=... yourself."
-        ) from None
+        has = f"data.dataset={cfg.data.get('dataset')} has none (not images?)"
+        raise unfilled(err.full_key, err.key, has) from None
     data, checked = resolved["data"], OmegaConf.get_type(cfg) is config.Config  # on the schema
     if not isinstance(data.get("root", ""), str):  # a dataset's folder of files
         refuse("data.root", data["root"], "the path of the data's folder")
@@ -83,6 +80,15 @@ def read_settings(cfg: DictConfig) -> Settings:
         check_logged_checkpoints(logger, checkpoint, start.train)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
     return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, resolved)
+
+
+def unfilled(full_key: str, key: str, has: str) -> UserError:
+    """A model's key that takes the data's `key`, which the data lack (`has`: what they are)."""
+    return UserError(
+        f"{full_key} takes the data's {key}, and {has}: pick a model that takes the data's "
+        f"input_shape, or set {full_key}=... yourself.",
+        every_rank=True,  # the config's: every rank finds it alike
+    )
 
 
 def check_logged_checkpoints(logger: dict[str, Any], saved: Checkpointing, train: bool) -> None:
@@ -212,12 +218,8 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     configure_kernels(trainer)
     found = {key: getattr(data, key) for key in DATA_SHAPE if cfg.model.get(key, 0) is None}
     if lacking := [key for key in ("in_channels", "image_size") if key in found and not found[key]]:
-        raise UserError(
-            f"model.{lacking[0]} takes the data's {lacking[0]}, and {data.name} gives "
-            f"{kind(data.input_dtype, data.input_shape)} samples, not images: pick a model that "
-            f"takes the data's input_shape, or set model.{lacking[0]}=... yourself.",
-            every_rank=True,
-        )
+        has = f"{data.name} gives {kind(data.input_dtype, data.input_shape)} samples, not images"
+        raise unfilled(f"model.{lacking[0]}", lacking[0], has)
     if cfg.model.get("num_classes") not in (None, data.num_classes) and data.num_classes:
         raise UserError(
             f"model.num_classes={cfg.model.num_classes}, but the data have {data.num_classes} "
