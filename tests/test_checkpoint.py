@@ -54,6 +54,7 @@ def test_checkpoint_holds_plain_values_and_unwrapped_weights(tmp_path, tiny_data
         "metrics",
         "best",
         "batch_size",
+        "stopped",
     }
     assert list(state["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert (

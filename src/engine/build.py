@@ -3,6 +3,7 @@ data, the model, the optimizer, the schedule, the checkpoint's parts; below, onl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import functools
@@ -25,6 +26,7 @@ from torch import nn
 from src.engine import checkpoint, config, storage
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
+from src.engine.core.callbacks import Callback, Callbacks
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
 from src.engine.core.task import CONTRACT, place, preflight
@@ -202,6 +204,7 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
     hooks += [UnwrittenMetrics(), NonFinite(), StopSignals()]  # checked in this order
     if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
         hooks.append(drift.DriftGuard(every))
+    hooks.append(build_callbacks(cfg))  # the config's callbacks= list
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
     if (below := (settings.config.get("debug") or {}).get("overfit_below")) is not None:
         hooks.append(Overfit(below))  # debug=overfit's verdict
@@ -210,6 +213,26 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
         drift.check_first_batch(data, process)
         check_count(run)
     return run
+
+
+def build_callbacks(cfg: DictConfig) -> Callbacks:
+    """The callbacks `cfg.callbacks` names (`{name: a class and its keys}`), built afresh."""
+    built = {}
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if not isinstance(node, DictConfig) or not node.get("_target_"):
+            raise UserError(
+                f"callbacks.{name} names no class: its file in conf/callbacks/ needs `{name}:` "
+                "with a `_target_: module.Class` under it (conf/callbacks/ema.yaml is one).",
+                every_rank=True,
+            )
+        built[str(name)] = callback = instantiated(f"callbacks.{name}", node, values=True)
+        if not isinstance(callback, Callback):
+            raise UserError(
+                f"callbacks.{name}._target_={node._target_} is no Callback: subclass "
+                "src.engine.core.callbacks.Callback, whose methods the loop calls.",
+                every_rank=True,
+            )
+    return Callbacks(built)
 
 
 def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
@@ -249,7 +272,9 @@ def build_parts(
 ) -> tuple[Parts, Progress, Checkpointer]:
     """The optimizer, schedule, scaler and progress (fresh or `resumed`), and their checkpointer."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
-    optimizer = instantiated("optimizer", cfg.optimizer, model.parameters(), values=True)
+    decay = cfg.optimizer.get("weight_decay") or 0.0  # what a model's own groups are given
+    groups = param_groups(strategy.unwrap(model), trainer.weight_decay_on, decay)
+    optimizer = instantiated("optimizer", cfg.optimizer, groups, values=True)
     check_optimizer(optimizer.defaults)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
     scaler = strategy.scaler(process.device, enabled=trainer.precision == "16")
@@ -271,6 +296,10 @@ def build_parts(
     }
     if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
         parts["task"] = run.task
+    for hook in run.hooks:  # set up before the checkpoint gives them their state back
+        if isinstance(hook, Callbacks):
+            hook.setup(run, model, optimizer)
+            parts |= {"callbacks": hook} if hook.stateful else {}
     metadata = {"config": run.settings.config, "wandb_id": None}  # the run's, once it begins
     saver = Checkpointer(policy, run.run_dir, process, strategy, parts, metadata, resumed)
     return Parts(model, optimizer, schedule, scaler), progress, saver
@@ -420,3 +449,87 @@ def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False
         " (python train.py --cfg job shows the keys).",
         every_rank=True,
     )
+
+
+def param_groups(model: nn.Module, weight_decay_on: str, decay: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups over the plain `model` (after wrapping: FSDP's parameters
+    are its new ones): the model's own `param_groups(decay)` (`decay`: optimizer.weight_decay),
+    checked, where it has that method; else `trainer.weight_decay_on`'s, one group of all (torch's
+    default), or the matrices in one and the rest (biases, normalisation layers) in one without
+    weight decay (nanoGPT's rule)."""
+    own, parameters = getattr(model, "param_groups", None), list(model.parameters())
+    if callable(own):
+        if weight_decay_on != "all":
+            log.info(
+                "%s.param_groups gives the optimizer's groups: trainer.weight_decay_on=%s is not "
+                "used.",
+                type(model).__name__,
+                weight_decay_on,
+            )
+        return checked_groups(model, own(decay))
+    if weight_decay_on == "all":
+        return [{"params": parameters}]
+    matrices = [p for p in parameters if p.dim() >= 2]
+    rest = [p for p in parameters if p.dim() < 2]
+    groups = [{"params": matrices}, {"params": rest, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]  # a model without biases: one
+
+
+def checked_groups(model: nn.Module, groups: Any) -> list[dict[str, Any]]:
+    """A model's own `groups` (each "params" made a list), which hold each of its parameters that
+    trains exactly once (a frozen one may be left out), and nothing else."""
+    about = f"{type(model).__name__}.param_groups ({where(type(model))})"
+    if wrong := malformed(groups):
+        raise UserError(
+            f"{about} {wrong}: it returns the optimizer's groups as torch's optimizers take them, "
+            'a list of dicts each with "params" (some of the model\'s parameters) and the settings '
+            'they change, e.g. [{"params": matrices}, {"params": biases, "weight_decay": 0.0}].',
+            every_rank=True,
+        )
+    groups = [{**g, "params": [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])}
+              for g in groups]  # fmt: skip
+    named, given = dict(model.named_parameters()), [p for g in groups for p in g["params"]]
+    counts, ours = collections.Counter(map(id, given)), set(map(id, named.values()))
+
+    def some(items: list[str]) -> str:
+        return ", ".join(items[:3]) + (", …" if len(items) > 3 else "")
+
+    if strangers := [p for p in given if id(p) not in ours]:
+        said = "value that is" if len(strangers) == 1 else "values that are"
+        shown = [f"a tensor of shape {tuple(p.shape)}" if torch.is_tensor(p) else repr(p)
+                 for p in strangers]  # fmt: skip
+        raise UserError(
+            f"{about} gives {len(strangers)} {said} not among the model's parameters ("
+            f"{some(shown)}): "
+            "take them from self.named_parameters() as it is called (FSDP replaces the "
+            "parameters as it wraps the model, before the optimizer's groups are made).",
+            every_rank=True,
+        )
+    if twice := [name for name, p in named.items() if counts[id(p)] > 1]:
+        raise UserError(
+            f"{about} puts {some(twice)} in more than one group (or twice in one): torch's "
+            "optimizers take each parameter once; give each one group.",
+            every_rank=True,
+        )
+    if left := [name for name, p in named.items() if p.requires_grad and not counts[id(p)]]:
+        raise UserError(
+            f"{about} leaves out {len(left)} of the model's parameters ({some(left)}), which "
+            "would never train: give each a group (or freeze one not to train, "
+            "requires_grad=False).",
+            every_rank=True,
+        )
+    return groups
+
+
+def malformed(groups: Any) -> str | None:
+    """What is wrong with the shape of a model's `param_groups`, if anything."""
+    if not isinstance(groups, list | tuple):
+        return f"returned a {type(groups).__name__}"
+    if not groups:
+        return "returned no group"
+    for group in groups:
+        if not isinstance(group, dict):
+            return f"returned a group that is a {type(group).__name__}"
+        if "params" not in group:
+            return f'returned a group without "params" (its keys: {", ".join(map(str, group))})'
+    return None

@@ -4,7 +4,6 @@ main process: tensors and plain values only, that `torch.load(weights_only=True)
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import pickle
@@ -14,6 +13,8 @@ import shutil
 import uuid
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,27 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         groups = self.optimizer.param_groups
+        # Its moments are numbered by their place in the groups: only the same groups match them.
+        saved, ours = ([len(g["params"]) for g in gs] for gs in (state["param_groups"], groups))
+        if saved != ours:
+            said = [f"{', '.join(map(str, n[:-1]))}{' and ' if n[1:] else ''}{n[-1]}"
+                    for n in (saved, ours)]  # fmt: skip
+            raise UserError(
+                f"The checkpoint's optimizer was saved with {len(saved)} parameter group"
+                f"{'s' if saved[1:] else ''} (of {said[0]} parameters), and this run's has "
+                f"{len(ours)} (of {said[1]}): resume with the model and trainer.weight_decay_on it "
+                "was trained with, or start a new run from its weights with init_from=PATH.",
+                every_rank=True,
+            )
+        with self.settings_kept():
+            self.strategy.load_optimizer_state(self.model, self.optimizer, state)
+
+    @contextmanager
+    def settings_kept(self) -> Iterator[None]:
+        """Each group's settings (lr, weight decay) stay this config's over what is loaded."""
+        groups = self.optimizer.param_groups
         chosen = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-        self.strategy.load_optimizer_state(self.model, self.optimizer, state)
+        yield
         for group, fresh in zip(self.optimizer.param_groups, chosen, strict=True):
             group.pop("initial_lr", None)  # the saved schedule's start: this config's is in fresh
             group.update(fresh)
@@ -146,7 +166,8 @@ def load_parts(parts: dict[str, Any], state: dict[str, Any]) -> None:
 
 
 def check_part(name: str, part: Any) -> None:
-    """Stop before training where a fork's part gives a state a checkpoint cannot hold or load."""
+    """Stop before training where a fork's part gives a state a checkpoint cannot hold or load
+    (loaded back into the part itself: a copy of one that holds the model may not copy)."""
     about = f"{name} {type(part).__name__} ({where(type(part))})"
     try:
         buffer = io.BytesIO()
@@ -158,7 +179,7 @@ def check_part(name: str, part: Any) -> None:
             "state_dict() may hold tensors and plain Python values only."
         ) from None
     try:
-        copy.deepcopy(part).load_state_dict(loaded)
+        part.load_state_dict(loaded)  # its own state, before any is resumed: no change
     except Exception as err:  # noqa: BLE001
         raise UserError(
             f"{about} cannot load the state its own state_dict() gives ({type(err).__name__}: "
@@ -186,15 +207,17 @@ class Checkpointer:
         self.parts, self.metadata = parts, metadata  # metadata: the config, the wandb run's id
         folder = Path(run_dir or ".") / "checkpoints"
         self.last, self.best = folder / "last.pt", folder / "best.pt"
-        for name in set(parts) - {*PARTS, "scaler"}:
-            check_part(name, parts[name])
+        for name in parts:  # a fork's part (its callbacks checked each as they were set up)
+            if name not in (*PARTS, "scaler", "callbacks"):
+                check_part(name, parts[name])
         self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
         if resumed:  # the model's weights were loaded as it was built
             path, state = resumed
             load_parts({k: v for k, v in parts.items() if k != "model"}, state)
             if shards := state.get(SHARDS):  # checkpoint.sharded=true: each rank its own
-                optimizer = parts["optimizer"].optimizer
-                strategy.load_shards(parts["model"].model, Path(shards), optimizer)
+                optimizer = parts["optimizer"]
+                with optimizer.settings_kept():
+                    strategy.load_shards(parts["model"].model, Path(shards), optimizer.optimizer)
             self.kept = (path, state["progress"]["step"])
 
     def save(self, step: int) -> None:
@@ -283,8 +306,9 @@ class Checkpointer:
         return shards
 
     def load_best(self, model: nn.Module) -> None:
-        """Load the run folder's best.pt into `model`: rank 0 reads it (the run folder is rank
-        0's, which other machines may not see) and the other ranks receive its weights."""
+        """Load the run folder's best.pt into `model`, and the fork's parts (a task's state, the
+        callbacks': an average of the weights): rank 0 reads it (the run folder is rank 0's, which
+        other machines may not see) and the other ranks receive it."""
         path, process, error, state = self.best, self.process, None, {}
         if process.is_main:
             try:
@@ -301,6 +325,8 @@ class Checkpointer:
             load_shards(model, path, shards, self.strategy)
         else:
             self.strategy.load_model_state(model, state.get("model", {}), process)
+        forks = {n: p for n, p in self.parts.items() if n in ("task", "callbacks")}
+        load_parts(forks, process.broadcast_object({n: state.get(n) for n in forks}))
 
 
 def starting_point(

@@ -45,6 +45,9 @@ class Hook:
     def epoch_ended(self, run: Run, progress: Progress) -> None:
         pass
 
+    def evaluating(self, run: Run, model: nn.Module, split: str) -> AbstractContextManager:
+        return nullcontext()
+
     def wants_stop(self, run: Run) -> bool:
         return False
 
@@ -72,6 +75,13 @@ class Hooks(list[Hook]):
     def epoch_ended(self, run: Run, progress: Progress) -> None:
         for hook in self:
             hook.epoch_ended(run, progress)
+
+    def evaluating(self, run: Run, model: nn.Module, split: str) -> ExitStack:
+        """Around an evaluation of `split`: which weights it evaluates (an average's, say)."""
+        stack = ExitStack()
+        for hook in self:
+            stack.enter_context(hook.evaluating(run, model, split))
+        return stack
 
     def check(
         self, run: Run, progress: Progress, loss: float = 0.0, weights: nn.Module | None = None

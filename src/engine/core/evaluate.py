@@ -69,28 +69,29 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
 def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     """The task's metrics over the whole `split` (val or test): each batch's sums added up in
     float64 on the CPU, then over the ranks, and turned into metrics once."""
-    task, process = run.task, run.process
-    model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
-    # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
-    # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
-    process.broadcast_tensors(model.buffers())
-    model.eval()
-    sums: dict[str, float] = {}
-    # Where every forward is collective (FSDP), each rank runs as many as the rank with the most.
-    for inputs, targets in run.data.eval_batches(split, even=run.strategy.even_eval):
-        with run.autocast():
-            outputs = model(inputs)
-        batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
-        for key, value in batch.items():
-            sums[key] = sums.get(key, 0.0) + float64_sum(value)
-    if process.in_group:  # a rank with no batch of this split knows none of the sums' names
-        names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
-        totals = process.sum_over_ranks([sums.get(n, 0.0) for n in names])
-        sums = dict(zip(names, totals, strict=True))
-    metrics = {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
-    if process.in_group:  # every rank decides with them: the best epoch, early stopping
-        check_same_on_every_rank(process, metrics)
-    return metrics
+    with run.hooks.evaluating(run, model, split):  # the weights evaluated: an average's, say
+        task, process = run.task, run.process
+        model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
+        # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last
+        # step: every rank takes rank 0's, as DDP does before each forward and the checkpoint saves.
+        process.broadcast_tensors(model.buffers())
+        model.eval()
+        sums: dict[str, float] = {}
+        # Where every forward is collective (FSDP), each rank runs as many as the one with the most.
+        for inputs, targets in run.data.eval_batches(split, even=run.strategy.even_eval):
+            with run.autocast():
+                outputs = model(inputs)
+            batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
+            for key, value in batch.items():
+                sums[key] = sums.get(key, 0.0) + float64_sum(value)
+        if process.in_group:  # a rank with no batch of this split knows none of the sums' names
+            names = sorted({n for names in process.all_gather_object(sorted(sums)) for n in names})
+            totals = process.sum_over_ranks([sums.get(n, 0.0) for n in names])
+            sums = dict(zip(names, totals, strict=True))
+        metrics = {f"{split}/{name}": value for name, value in task.metrics(sums).items()}
+        if process.in_group:  # every rank decides with them: the best epoch, early stopping
+            check_same_on_every_rank(process, metrics)
+        return metrics
 
 
 def check_same_on_every_rank(process: Any, metrics: dict[str, Any]) -> None:

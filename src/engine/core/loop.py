@@ -51,6 +51,8 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
 def why_finished(progress: Progress, run: Run) -> str:
     """Why training is over (all epochs done, `max_steps` reached, stopped early), or "" if not."""
     trainer, best, patience = run.trainer, progress.best, run.trainer.early_stopping_patience
+    if progress.stopped:
+        return progress.stopped
     if (steps := trainer.max_steps) is not None and progress.step >= steps:
         return f"trainer.max_steps={steps} reached: {progress.step} optimizer steps done"
     if best is not None and patience is not None and best.stale >= patience:
@@ -79,6 +81,8 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
                 run.logger.log({**progress.record, "train/loss": mean, "lr": lr, **norm})
         if progress.step == trainer.max_steps or progress.epoch_step == data.steps_per_epoch:
             break  # the epoch's end validates and saves
+        if progress.stopped:  # a callback's: the epoch's end validates and saves, then it ends
+            break
         if hooks.stopping(run):
             save(run, parts, progress)
             hooks.stop(run, progress)

@@ -60,6 +60,7 @@ class Progress:
     metrics: dict[str, Any] = field(default_factory=dict)  # the last validation's
     best: Best | None = None  # the best validation so far; None without a validation split
     batch_size: int = 1  # the global batch epoch_step counts (data.batch_size)
+    stopped: str = ""  # why a callback stopped training, which ends it for a resumed run too
     # Not saved: the images of an epoch (the data's).
     train_size: int = field(default=0, metadata={"saved": False})
 
