@@ -13,6 +13,7 @@ from conftest import (
     CONF,
     REPO,
     compose_config,
+    offline_env,
     ok,
     printed,
     read_metrics,
@@ -37,8 +38,9 @@ from src.engine.build import (
     read_settings,
     typed,
 )
+from src.engine.config import check_command_line
 from src.engine.data import Data
-from src.engine.errors import UserError
+from src.engine.errors import Checked, UserError, above, between, least, one_of
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -246,7 +248,7 @@ def test_every_yaml_key_has_a_comment():
         ("data.num_workers=-1", "data.num_workers=-1 is not allowed: use 0 or more"),
         ("data.std=0", "data.std=0 is not allowed: use the pixels' standard deviation, above 0"),
         ("data=cifar10 data.std=[0.2,0,0.2]", r"data.std=\[0.2, 0, 0.2\] is not allowed"),
-        ("seed=-1", "seed=-1 is not allowed: use a whole number, 0 or more"),
+        ("seed=-1", r"^seed=-1 is not allowed: use a whole number from 0 to 4294901760\.$"),
         (
             "scheduler.interval=epochs",
             "scheduler.interval=epochs is not allowed: use epoch or step",
@@ -388,12 +390,141 @@ def test_values_training_cannot_use_are_refused(override, message):
 )  # fmt: skip
 def test_a_value_of_the_wrong_type_is_refused_as_hydra_composes(override, said):
     """The schema's types (src/engine/config.py, each strategy's fields): Hydra refuses the value
-    as it composes, naming the key, before any config is printed or any work done."""
+    as it composes, naming the key, before any config is printed or any work done; and the command
+    line's check says it first, in one sentence naming the key."""
     with pytest.raises(ConfigCompositionException) as raised:
         compose_config(*override.split())
     message = str(raised.value) + str(raised.value.__cause__)
-    key = override.split()[-1].split("=")[0]
+    key, value = override.split()[-1].split("=")
     assert said in message and f"full_key: {key}" in message, message
+    assert check_command_line(override.split()).startswith(f"{key}={value} is not allowed: use ")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("trainer.epochs=abc", "trainer.epochs=abc is not allowed: use a whole number, at least "
+         "1."),
+        ("data.batch_size=1.5", "data.batch_size=1.5 is not allowed: use a whole number, at least "
+         "1."),
+        ("data.batch_size=null", "data.batch_size=null is not allowed: use a whole number, at "
+         "least 1."),
+        ("checkpoint.save=maybe", "checkpoint.save=maybe is not allowed: use true or false."),
+        ("-m trainer.epochs=1,abc", "trainer.epochs=abc is not allowed: use a whole number, at "
+         "least 1."),  # each value of a sweep
+        ("-m trainer.epochs=choice(2,true)", "trainer.epochs=true is not allowed: use a whole "
+         "number, at least 1."),
+        ("++trainer.epochs=1e3", "trainer.epochs=1e3 is not allowed: use a whole number, at least "
+         "1."),
+        ("trainer.max_steps=abc", "trainer.max_steps=abc is not allowed: use null or a whole "
+         "number, at least 1."),
+        ("trainer.gradient_clip_val=true", "trainer.gradient_clip_val=true is not allowed: use "
+         "null (no clipping) or a norm above 0, e.g. 1.0."),
+        ("trainer.test_weights=[best]", "trainer.test_weights=[best] is not allowed: use best or "
+         "last."),
+        ("data.class_names=abc", "data.class_names=abc is not allowed: use null or a list, [a,b]."),
+        ("seed=abc", "seed=abc is not allowed: use a whole number from 0 to 4294901760."),
+        ("parallel=ddp parallel.nproc_per_node=two", "parallel.nproc_per_node=two is not allowed: "
+         "use null or a whole number, at least 1."),
+        ("parallel.timeout=abc", "parallel.timeout=abc is not allowed: use a number above 0."),
+        ("--cfg job model=cnn trainer.epochs=x", "trainer.epochs=x is not allowed: use a whole "
+         "number, at least 1."),  # Hydra's flags and a group's choice around it
+    ],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_one_sentence_naming_the_type(args, message):
+    """Said before Hydra composes (whose own would be 5 lines), in the out-of-range sentence's
+    words: the key, and its type with its range."""
+    assert check_command_line(args.split()) == message
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "args",
+    [
+        "trainer.epochs=3 data.batch_size=32 checkpoint.save=false seed=7",
+        "trainer.epochs='3' data.augment=no trainer.max_steps=null",  # OmegaConf converts these
+        "trainer.epochs=${oc.env:EPOCHS,2}",  # an interpolation, resolved later
+        "-m trainer.epochs=1,2 optimizer.lr=interval(0.001,0.1)",
+        "optimizer.lr=abc model.hidden=abc data.root=5",  # a class's own keys: its own check
+        "+trainer.epoch=abc ~trainer.max_steps",  # an unknown key: its own sentence
+        "parallel=none parallel.timeout=abc",  # no key of that mode: its own sentence
+        "trainer.epochs=[1",  # Hydra's parser tells what it cannot read
+    ],
+)
+def test_values_of_their_type_or_keys_the_schema_does_not_type_pass_the_check(args):
+    assert check_command_line(args.split()) is None
+
+
+@pytest.mark.unit
+def test_hydra_full_error_leaves_a_wrong_type_to_hydra(monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert check_command_line(["trainer.epochs=abc"]) is None
+
+
+@pytest.mark.parametrize("args", [["trainer.epochs=abc"], ["-m", "trainer.epochs=1,abc"]])
+def test_a_wrong_type_on_the_command_line_is_one_line(args, tmp_path):
+    """python train.py: the sentence alone, exit status 1, no run folder (a sweep runs no job)."""
+    result = train(args, tmp_path, own_process=True)
+    said = "trainer.epochs=abc is not allowed: use a whole number, at least 1."
+    assert (result.returncode, result.stderr.strip()) == (1, said), result.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+@dataclass
+class Ranges(Checked):
+    """A section of each range helper's fields, to hold their sentences."""
+
+    section = "r"
+    decay: float = between(0, 1, 0.5)  # [0, 1): as range() counts
+    share: float = between(0, 1, 0.5, low_open=True, high_open=False)  # (0, 1]
+    closed: int = between(1, 8, 1, high_open=False)  # [1, 8]
+    inside: float = between(0, 1, 0.5, low_open=True)  # (0, 1)
+    steps: int | None = least(1, None, nullable=True)
+    clip: float | None = above(0, None, "no clipping", "a norm above 0, e.g. 1.0")
+    mode: str | None = one_of("max", "min", None, default=None)
+    momentum: float | None = between(0, 1, None, nullable="none", said="0 up to below 1")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("decay", 0, None),
+        ("decay", 0.999, None),
+        ("decay", 1, "r.decay=1 is not allowed: use 0 up to below 1."),
+        ("decay", -0.5, "r.decay=-0.5 is not allowed: use 0 up to below 1."),
+        ("share", 1, None),
+        ("share", 0, "r.share=0 is not allowed: use above 0 up to 1."),
+        ("closed", 8, None),
+        ("closed", 9, "r.closed=9 is not allowed: use 1 to 8."),
+        ("inside", 1.0, "r.inside=1.0 is not allowed: use above 0 and below 1."),
+        ("decay", None, "r.decay=null is not allowed: use 0 up to below 1."),
+        ("steps", None, None),
+        ("steps", 0, "r.steps=0 is not allowed: use null or at least 1."),
+        ("clip", 0, "r.clip=0 is not allowed: use null (no clipping) or a norm above 0, e.g. 1.0."),
+        ("mode", None, None),
+        ("mode", "best", "r.mode=best is not allowed: use max, min or null."),
+        ("momentum", None, None),
+        ("momentum", 1, "r.momentum=1 is not allowed: use null (none) or 0 up to below 1."),
+    ],
+)
+def test_each_range_helper_says_what_it_allows_and_null_alike(key, value, message):
+    """least, above, between and one_of: a range with one bound or two, open or closed, in one
+    sentence; null, where allowed, said first ("null or", "null (what it means) or"), except in a
+    list of choices, where it stands."""
+    if message is None:
+        assert getattr(Ranges(**{key: value}), key) == value
+    else:
+        with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+            Ranges(**{key: value})
+
+
+def test_hydra_full_error_shows_hydras_own_report_of_a_wrong_type(tmp_path):
+    env = offline_env(HYDRA_FULL_ERROR="1")
+    command = [sys.executable, str(REPO / "train.py"), "trainer.epochs=abc"]
+    result = run(command, tmp_path, env, own_process=True)
+    assert result.returncode == 1 and "full_key: trainer.epochs" in result.stderr, result.stderr
 
 
 @pytest.mark.unit

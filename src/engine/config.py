@@ -1,24 +1,32 @@
 """The config's schema, registered as `schema` (the first of conf/config.yaml's defaults; conf/'s
 YAML files are presets): the engine's keys, each with its type, default and comment, written once.
-Hydra checks the types as it composes, each section its ranges and choices as it is built. The keys
-of what a group names by `_target_` (a model, an optimizer, a dataset) are that class's own."""
+Hydra checks the types as it composes (a command line's, `check_command_line` first, in a sentence),
+each section its ranges and choices as it is built. The keys of what a group names by `_target_` (a
+model, an optimizer, a dataset) are that class's own."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import types
+from argparse import ArgumentError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
+from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, ValidationError
 
 from src.engine import parallel
-from src.engine.errors import Checked, UserError, above, least, one_of, refuse
+from src.engine.errors import Checked, UserError, above, between, least, not_allowed, one_of, refuse
 from src.engine.parallel.none import Single
 
-MAX_SEED = 2**32 - 2**16  # room for a rank's number added to it
+MAX_SEED = 2**32 - 2**16  # NumPy takes seeds below 2**32; room for a rank's number added to it
+SEEDS = f"a whole number from 0 to {MAX_SEED}"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -33,9 +41,7 @@ class Trainer(Checked):
     log_every_n_epochs: int = least(1, 1)  # the "epoch N trained" line every N epochs, and the last
     accumulate_grad_batches: int = least(1, 1)  # split each rank's batch into N micro-batches
     # null, or clip the gradients' global norm to this value before each optimizer step.
-    gradient_clip_val: float | None = above(
-        0, None, True, "(no clipping) or a norm above 0, e.g. 1.0"
-    )
+    gradient_clip_val: float | None = above(0, None, "no clipping", "a norm above 0, e.g. 1.0")
     deterministic: bool = False  # repeatable kernels, maybe slower; false lets cuDNN autotune
     # float32 matmuls: highest (full float32) or high (TF32 where the GPU has it: faster, ~1e-3).
     matmul_precision: str = one_of("highest", "high", default="highest")
@@ -51,8 +57,13 @@ class Trainer(Checked):
     warmup_steps: int = least(0, 0)
     # null, or stop after this many validations in a row without improving checkpoint.monitor.
     early_stopping_patience: int | None = least(1, None, nullable=True)
-    # The weights tested once after training: best (best.pt, by checkpoint.monitor) or last.
+    # The weights tested once after training: best (best.pt, by checkpoint.monitor) or last; with
+    # callbacks=ema, the average of those (best.pt's, which picked it), unless ema's evaluate=raw.
     test_weights: str = one_of("best", "last", default="best")
+    # The parameters optimizer.weight_decay applies to: all (torch's default), or matrices, those
+    # of 2 or more dimensions (linear and convolution weights, embeddings), not biases and
+    # normalisation layers (nanoGPT's rule). A model's own param_groups(weight_decay) comes first.
+    weight_decay_on: str = one_of("all", "matrices", default="all")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,7 +171,7 @@ class Start(Checked):
     """The run's own keys: what it trains from, where, and whether it trains at all."""
 
     # Seeds the weights, the sample order and dropout (whose stream is seed + rank on each rank).
-    seed: int = least(0, 1, said="a whole number, 0 or more")
+    seed: int = between(0, MAX_SEED, 1, high_open=False, said=SEEDS)
     device: str = "auto"  # auto = cuda, then mps, then cpu; or name one: cpu, cuda, cuda:1, mps
     train: bool = True  # false: only evaluate ckpt_path's weights, on the val and test splits
     # auto = continue from the run folder's checkpoints/last.pt if any; a checkpoint; null = fresh.
@@ -175,8 +186,6 @@ class Start(Checked):
         for key in ("resume", "init_from", "ckpt_path"):  # a path: no number, no flag
             if not (getattr(self, key) is None or isinstance(getattr(self, key), str)):
                 refuse(key, getattr(self, key), paths.get(key, "null or a checkpoint's path"))
-        if self.seed > MAX_SEED:  # NumPy takes seeds below 2**32, and each rank adds its number
-            refuse("seed", self.seed, f"a whole number from 0 to {MAX_SEED}")
         if self.init_from is not None and self.resume not in (None, "auto"):
             raise UserError(
                 f"resume={self.resume} continues a run, its weights included, and init_from="
@@ -208,6 +217,7 @@ class Config(Start):
     optimizer: Any = None
     parallel: Any = None
     logger: Any = None
+    callbacks: Any = None  # what the loop calls at its named points: {name: a class and its keys}
     debug: Any = None  # a debugging set-up's keys (conf/debug/)
 
 
@@ -318,6 +328,99 @@ def _gpus_per_node(*, _root_: DictConfig) -> int:
     """`${gpus_per_node:}` (conf/hydra/launcher/slurm.yaml): one GPU per process the job starts
     (`parallel.nproc_per_node`), else one: a job that asks for none trains on the node's CPU."""
     return OmegaConf.select(_root_, "parallel.nproc_per_node") or 1
+
+
+def check_command_line(args: list[str]) -> str | None:
+    """The sentence that refuses a value on the command line (`args`, those after the script's
+    name) of a type its key does not take (`trainer.epochs=abc`, a sweep's `trainer.epochs=1,abc`),
+    to say before Hydra composes, whose own would be 5 lines; None where each value fits, and with
+    HYDRA_FULL_ERROR=1 (Hydra then says its own). Each value is merged as Hydra merges it, into the
+    schema's section that types its key; a key the schema does not type (a class's own, an unknown
+    one) is left to its own check."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return None
+    parser = get_args_parser()
+    parser.exit_on_error = False  # a mistaken flag is Hydra's to tell
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            parser.parse_known_args(args)[0].overrides
+        )
+    except (ArgumentError, HydraException):  # a command line Hydra cannot read: it says why
+        return None
+    modes = {cls.name: cls for cls in parallel.strategies()}
+    chosen = [modes[o.value()] for o in overrides if o.key_or_group == "parallel"
+              and not o.is_sweep_override() and str(o.value()) in modes]  # fmt: skip
+    for override in overrides:
+        key = override.key_or_group
+        if key.startswith("parallel."):  # the chosen mode's keys, else those of any mode
+            schemas, typed_key = chosen[-1:] or list(modes.values()), key.removeprefix("parallel.")
+        else:
+            schemas, typed_key = [Config], key
+        for shown, value in _values(override):
+            said = [s for c in schemas if (s := _refused(c, typed_key, value)) is not None]
+            if said and all(said):
+                return not_allowed(key, shown, said[0])
+    return None
+
+
+def _values(override: Any) -> list[tuple[str, Any]]:
+    """An override's values, as written and as read (each of a sweep's); none where Hydra merges
+    none into the schema's types (`~key`, `+key`, `key@package`, an `interval(...)` to sample)."""
+    if override.is_delete() or override.is_add() or override.package:
+        return []
+    if not override.is_sweep_override():
+        return [(override.input_line.split("=", 1)[1], override.value())]
+    if override.is_interval_sweep():
+        return []
+    values = zip(override.sweep_string_iterator(), override.sweep_iterator(), strict=True)
+    return [(str(v).lower() if isinstance(v, bool) else shown, v) for shown, v in values]
+
+
+def _refused(schema: type, key: str, value: Any) -> str | None:
+    """What `key` takes where `value` is no value of its type (as OmegaConf merges it into the
+    dataclass `schema`); "" where it is; None where `schema` does not type `key`."""
+    *path, name = key.split(".")
+    for part in path:  # down the sections: trainer, data, ...
+        section = _field_types(schema).get(part)
+        if not dataclasses.is_dataclass(section):
+            return None
+        schema = section
+    hint, found = _field_types(schema).get(name), {f.name: f for f in dataclasses.fields(schema)}
+    if name not in found or hint is Any or dataclasses.is_dataclass(hint):  # any value, a section
+        return None
+    try:
+        OmegaConf.update(OmegaConf.structured(schema), name, value, merge=True)
+        return ""
+    except ValidationError:
+        return _takes(hint, found[name].metadata)
+
+
+# What a key of each type takes, in words.
+KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+LISTS = {int: "a list of whole numbers, [1,2]", float: "a list of numbers, [0.5,1.5]"}
+
+
+def _takes(hint: Any, declared: Any) -> str:
+    """What a field of type `hint` takes, in words: null first where it may be null, then its type
+    and the range it was `declared` with (`least`, `between`...), or its choices (`one_of`)."""
+    options = [a for a in get_args(hint) if a is not type(None)]
+    nullable = get_origin(hint) in (Union, types.UnionType) and len(options) < len(get_args(hint))
+    kind = options[0] if nullable and len(options) == 1 else hint
+    if "said" in declared and kind is str:  # choices, which say what they are
+        return declared["said"]
+    if get_origin(kind) is list:
+        takes = LISTS.get(next(iter(get_args(kind)), Any), "a list, [a,b]")
+    else:
+        takes = KINDS.get(kind, f"a {getattr(kind, '__name__', kind)}")
+    said = declared.get("range", "")
+    said = said if said.startswith(("a ", "an ")) else f"{takes}, {said}" if said else takes
+    return declared.get("null said", "null or " if nullable else "") + said
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """A dataclass's fields and their types (annotations are strings here: evaluated)."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 for name, resolver in {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}.items():

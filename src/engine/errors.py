@@ -52,37 +52,76 @@ def where(cls: type) -> str:
 
 def refuse(key: str, value: Any, allowed: str) -> None:
     """Stop on a value of `key` training cannot use, saying what is `allowed`."""
-    if isinstance(value, bool):
-        value = str(value).lower()
-    raise UserError(f"{key}={value} is not allowed: use {allowed}.", every_rank=True)
+    raise UserError(not_allowed(key, value, allowed), every_rank=True)
+
+
+def not_allowed(key: str, value: Any, allowed: str) -> str:
+    """The sentence that refuses a value of `key`, saying what is `allowed` (YAML's words for
+    None, True and False, as the user writes them)."""
+    if value is None or isinstance(value, bool):
+        value = "null" if value is None else str(value).lower()
+    return f"{key}={value} is not allowed: use {allowed}."
 
 
 # A setting's range or choices, declared with its field (`epochs: int = least(1, 1)`), checked by
 # `Checked` as the section is built; each says what it allows in the message that refuses it.
-def least(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
-    """A field of at least `low` (and null where `nullable`)."""
+# `nullable`: null is allowed too, said first ("null or at least 1"); a string says what null
+# means ("null (no clipping) or a norm above 0").
+def least(low: float, default: Any, nullable: bool | str = False, said: str | None = None) -> Any:
+    """A field of at least `low`."""
     said = said or (f"at least {low}" if low else "0 or more")
-    said = f"null or {said}" if nullable else said
     return _checked_field(default, lambda v: v >= low, said, nullable)
 
 
-def above(low: float, default: Any, nullable: bool = False, said: str | None = None) -> Any:
-    """A field of more than `low` (and null where `nullable`)."""
-    said = said or f"a number above {low}"
-    said = f"null {said}" if nullable else said
-    return _checked_field(default, lambda v: v > low, said, nullable)
+def above(low: float, default: Any, nullable: bool | str = False, said: str | None = None) -> Any:
+    """A field of more than `low`."""
+    return _checked_field(default, lambda v: v > low, said or f"a number above {low}", nullable)
+
+
+def between(
+    low: float,
+    high: float,
+    default: Any,
+    *,
+    low_open: bool = False,
+    high_open: bool = True,
+    nullable: bool | str = False,
+    said: str | None = None,
+) -> Any:
+    """A field from `low` up to below `high`, as `range` counts ("0 up to below 1"); `low_open`
+    leaves `low` out ("above 0"), `high_open=False` takes `high` in ("0 to 1")."""
+    said = said or (
+        (f"above {low}" if low_open else f"{low}")
+        + (" and " if low_open and high_open else " up to " if low_open or high_open else " to ")
+        + (f"below {high}" if high_open else f"{high}")
+    )
+
+    def allows(v: Any) -> bool:
+        return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+
+    return _checked_field(default, allows, said, nullable)
 
 
 def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:
-    """A field that takes one of `choices`."""
+    """A field that takes one of `choices` (None among them: null, said where it stands)."""
     shown = ["null" if c is None else str(c).lower() if c in (True, False) else str(c)
              for c in choices]  # fmt: skip
     said = said or f"{', '.join(shown[:-1])} or {shown[-1]}"
-    return _checked_field(default, lambda v: v in choices, said, None in choices)
+    return _checked_field(default, lambda v: v in choices, said, None in choices, null_said=True)
 
 
-def _checked_field(default: Any, allows: Any, said: str, nullable: bool) -> Any:
-    return field(default=default, metadata={"allows": allows, "said": said, "null": nullable})
+def _checked_field(
+    default: Any, allows: Any, said: str, nullable: bool | str, null_said: bool = False
+) -> Any:
+    """The field, with its check and what it allows: `said`, null put first where `nullable`
+    (unless `said` already says null)."""
+    null = "null or " if nullable is True else f"null ({nullable}) or " if nullable else ""
+    null = "" if null_said else null
+    return field(
+        default=default,
+        metadata={"allows": allows, "null": bool(nullable), "said": null + said, "range": said,
+                  "null said": null},
+    )  # fmt: skip
 
 
 class Checked:
