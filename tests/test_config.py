@@ -856,3 +856,11 @@ def test_the_optuna_direction_follows_checkpoint_mode(overrides, direction):
         task_function=None,
     )
     assert sweeper.sweeper._get_directions() == [direction]
+
+
+def test_a_wrong_type_under_torchrun_is_said_once(tmp_path):
+    """Every rank reads the same command line: local rank 0 says it, the others exit with 1."""
+    result = train(["parallel=ddp", "trainer.epochs=abc"], tmp_path, nproc=2)
+    said = "trainer.epochs=abc is not allowed: use a whole number, at least 1."
+    assert result.returncode != 0 and printed(result).count(said) == 1, printed(result)
+    assert not (tmp_path / "outputs").exists()

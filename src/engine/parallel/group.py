@@ -59,6 +59,12 @@ class GroupStrategy(Strategy):
         mode, variables = self.name, launch.TORCHRUN_VARIABLES
         present = [name for name in variables if name in os.environ]
         needed = variables if self.init_method == "env://" else variables[:3]
+        if not present:  # run.train called in a process that no launcher started as a rank
+            raise UserError(
+                f"parallel={mode} trains in one process per device, and none of torchrun's "
+                f"variables ({', '.join(needed)}) is set: launch with torchrun, or through "
+                "src.engine.app.main (as train.py does), which starts the processes itself."
+            )
         if missing := [name for name in needed if name not in os.environ]:
             raise UserError(
                 f"parallel={mode} found a partial distributed environment: {', '.join(present)} "

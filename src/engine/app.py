@@ -1,0 +1,96 @@
+"""The engine from a command line: `main()` is the whole of train.py, and of a script of your own
+wherever the engine is installed (`pip install -e .`, or a wheel). Hydra composes the template's
+config (conf/, which a wheel holds as src/conf) with a folder of yours, and each job runs in this
+process, as a rank under torchrun, or in the processes it starts (ddp or fsdp without torchrun)."""
+
+import multiprocessing
+import os
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra._internal.utils import get_args_parser
+from omegaconf import DictConfig
+
+from src.engine import launch
+from src.engine.build import read_settings
+from src.engine.config import check_command_line
+from src.engine.data import check_shares
+from src.engine.run import train
+from src.engine.tools import equivalence
+
+PACKAGE = Path(__file__).resolve().parents[1]  # src/
+# The template's conf/: inside the package where a wheel installed it (setup.py maps it there),
+# else beside it (a checkout, and `pip install -e .`, which uses the checkout's files).
+CONFIG = PACKAGE / "conf" if (PACKAGE / "conf").is_dir() else PACKAGE.parent / "conf"
+
+
+def main(config_dir: str | Path | None = None, config_name: str = "config") -> None:
+    """Run the command line's job (Hydra's overrides; -m for a sweep) on the template's config.
+    `config_dir`, a folder of yours (relative to the script's), is searched after the template's,
+    as Hydra's --config-dir is: a file there adds a preset to a group (model/mine.yaml, chosen by
+    model=mine), or, named by `config_name`, is the primary config, which may start from the
+    template's (`defaults: [config, _self_]`)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A process parallel=ddp started, importing the script: it would start its own.
+        sys.exit(
+            "main() ran again in each process that parallel=ddp (or fsdp) started, which import "
+            'your script: call it under `if __name__ == "__main__":`, as train.py does.'
+        )
+    script = Path(sys.argv[0]).resolve()  # train.py, or yours (not one: python -c, a command)
+    folder, name = (script.parent, script.stem) if script.suffix == ".py" else (Path.cwd(), "train")
+    # The script's folder anchors data/ and outputs/ (paths.root_dir), wherever it is started
+    # from, and processes started for this run (submitit's SLURM jobs) import from it: src/ in a
+    # checkout, a fork's own modules beside its script.
+    os.environ.setdefault("PROJECT_ROOT", str(folder))
+    paths = [str(folder), os.environ.get("PYTHONPATH")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    # cuBLAS reads this at its first call only, so a deterministic job after another in the same
+    # process (a sweep) needs it set now; it costs about 24 MiB of GPU memory, no speed.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    args = launch.hydra_argv(sys.argv)[1:]
+    if said := check_command_line(args):  # a value of the wrong type: one sentence, not Hydra's 5
+        sys.exit(said if os.environ.get("LOCAL_RANK", "0") == "0" else 1)  # once per machine
+    # The log is named for the script (train.log), as Hydra names it for a function of its own.
+    args = with_override(args, "hydra.job.name=" + re.sub(r"[^\w.-]", "_", name))
+    if config_dir is not None:
+        args.insert(0, f"--config-dir={own_folder(folder / config_dir)}")
+    sys.argv = [sys.argv[0], *args]
+    hydra.main(version_base="1.3", config_path=str(CONFIG), config_name=config_name)(job)()
+    if launch.under_torchrun():  # on failure, Hydra exited non-zero from inside
+        launch.exit_worker()
+
+
+def job(cfg: DictConfig) -> float | None:
+    """One job (each of a sweep's): the value of `checkpoint.monitor` a sweeper optimises."""
+    if (cfg.debug or {}).get("equivalence"):  # debug=equivalence: compare, don't train
+        return equivalence.check(cfg)
+    if launch.under_torchrun():  # a worker: failures go to torchrun's error file
+        return launch.run_worker(train, cfg)
+    settings = read_settings(cfg)  # the config's values checked before any work
+    parallel = settings.parallel
+    if launch.starts_workers_here(parallel.in_group):  # ddp, fsdp: the processes start here
+        check_shares(cfg.data.batch_size, nproc := parallel.processes(cfg.device))  # before them
+        return launch.start_workers(train, cfg, nproc)
+    return train(cfg, settings=settings)
+
+
+def with_override(args: list[str], override: str) -> list[str]:
+    """`args` with `override` before the command line's first (argparse takes them in one run:
+    `-m a=1,2` stays one), so that one of the command line's own, read later, wins over it."""
+    given = get_args_parser().parse_known_args(args)[0].overrides
+    at = args.index(given[0]) if given else 0
+    return [*args[:at], override, *args[at:]]
+
+
+def own_folder(folder: Path) -> Path:
+    """`folder`, refused where a file of it has the name of one of the template's, which Hydra,
+    reading the template's first, would take instead of it without a word."""
+    for path in sorted(folder.rglob("*.yaml")):
+        if (CONFIG / path.relative_to(folder)).is_file():
+            sys.exit(
+                f"{path} is never read: the template's conf/ has a file of that name, which Hydra "
+                "reads first. Give yours a name of its own (model/mine.yaml, chosen by model=mine)."
+            )
+    return folder
