@@ -3,6 +3,8 @@ config as one process does; exit 1, naming the likely cause, where they do not; 
 what it cannot check. It compares in float64 unless asked (debug.precision=train) or the model
 cannot run in it."""
 
+import re
+
 import pytest
 import torch
 from conftest import TESTS, compose_config, offline_env, ok, printed, train
@@ -14,6 +16,7 @@ from src.engine.tools.equivalence import Difference, Trace
 
 LAYOUTS = ["1 process (reference)", "1 process × 2 micro-batches", "2 DDP processes",
            "2 DDP processes × 2 micro-batches"]  # fmt: skip
+FORK = f"hydra.searchpath=[file://{TESTS}/conf]"  # tests/conf/parallel/: a fork's modes
 
 
 def check(overrides: list[str], tmp_path, data, nproc: int | None = None, steps: int | None = 6):
@@ -34,7 +37,8 @@ def user_model(name: str) -> str:
 )
 def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
     """Four layouts in the table, each within float64 rounding, every evaluation count the same
-    (the reference's out of the split's 50 and 100 images). These are the README's commands,
+    (the reference's out of the split's 50 and 100 images), and each layout's checkpoint.monitor
+    value (val/acc), the reference's too. These are the README's commands,
     `python train.py debug=equivalence` (the MLP, with its default 20 steps) and
     `python train.py debug=equivalence model=cnn`."""
     overrides = [] if model == "mlp" else [f"model={model}"]  # the MLP is the default model
@@ -44,10 +48,14 @@ def test_the_template_models_are_equivalent(tmp_path, tiny_data, model, steps):
         "for a difference (debug.precision=train: in the config's own precision), dropout off, on "
         "the CPU (gloo)"
     ) in output.splitlines()[0]
-    table = output[output.index("layout ") :].splitlines()
-    assert [line.split("  ")[0] for line in table[1:5]] == LAYOUTS
-    assert "/50 " in table[1] and table[1].endswith("/100")
-    assert all(line.split()[-2:] == ["+0", "+0"] for line in table[2:5]), table
+    table = [re.split(r"\s{2,}", line) for line in output[output.index("layout ") :].splitlines()]
+    assert table[0] == ["layout", "loss (step)", "weights (where)", "val/acc", "val correct",
+                        "test correct"]  # fmt: skip
+    assert [line[0] for line in table[1:5]] == LAYOUTS
+    assert table[1][4].endswith("/50") and table[1][5].endswith("/100")
+    assert all(line[-2:] == ["+0", "+0"] for line in table[2:5]), table
+    correct = int(table[1][4].split("/")[0])  # the reference's val/acc is its count out of 50
+    assert all(line[3] == f"{correct / 50:.4f}" for line in table[1:5]), table
     assert "Equivalent: every layout trains this config as one process does, within float64 " in (
         output
     )
@@ -112,6 +120,45 @@ def test_randomness_and_weights_changed_on_one_rank_are_named(tmp_path, tiny_dat
     result = check([user_model(model)], tmp_path, tiny_data)
     assert result.returncode == 1 and "Traceback" not in printed(result)
     assert cause in printed(result)
+
+
+@pytest.mark.parametrize("mode", ["scaled_ddp", pytest.param("bf16_ddp", marks=pytest.mark.slow)])
+def test_gradients_that_differ_are_named_at_the_first_step_whose_weights_differ(
+    tmp_path, tiny_data, mode
+):
+    """A fork's DDP mode whose gradients differ from one process's (tests/equivalence_forks.py):
+    each scaled by 1.01, or sent in bfloat16. Step 1's loss agrees, since the weights differ only
+    after its update: the weights after each step name the difference, not a near tie."""
+    result = check([FORK, f"parallel={mode}"], tmp_path, tiny_data, steps=2)
+    output = printed(result)
+    assert result.returncode == 1 and "Traceback" not in output
+    assert re.search(
+        rf"\n- in 2 {mode.upper()} processes, the first step whose weights differ \(step 1, by "
+        r"\d\.\de-0[5-7] against the rounding bound 1e-09, in fc\d\.(weight|bias)\): the layouts "
+        r"compute other gradients or updates \(the loss of step 1 agrees: the forward is the "
+        r"same\)\n",
+        output,
+    ), output
+    assert "near tie" not in output
+
+
+def test_a_task_with_state_is_built_afresh_for_each_layout(tmp_path, tiny_data):
+    """tests/equivalence_forks.py's task halves its label smoothing after each evaluation, and
+    the checkpoint holds its count: a layout that took the task the one before it had evaluated
+    with would train with another loss from its first step."""
+    overrides = ["task._target_=equivalence_forks.HalvesItsSmoothing", "task.label_smoothing=0.2"]
+    output = printed(ok(check(overrides, tmp_path, tiny_data, steps=2)))
+    assert "Equivalent: every layout trains this config as one process does" in output
+
+
+def test_an_average_of_the_weights_is_kept_and_evaluated_in_each_layout(tmp_path, tiny_data):
+    """callbacks=ema (src/callbacks.py), an average that moves fast (decay 0.5): each layout's
+    own, set up as its training starts, and its test evaluates it (the callback says so, once
+    in each layout), equal to one process's in float64."""
+    overrides = ["callbacks=ema", "callbacks.ema.decay=0.5"]
+    output = printed(ok(check(overrides, tmp_path, tiny_data, steps=2)))
+    assert output.count("The test evaluates callbacks.ema's average of these weights") == 4
+    assert "Equivalent: every layout trains this config as one process does" in output
 
 
 @pytest.mark.slow
@@ -198,34 +245,102 @@ def test_the_layouts_follow_the_config():
     assert equivalence.layout_names(None) == ["1 process (reference)", "2 DDP processes"]
 
 
-def difference(steps: list[float]) -> Difference:
-    """A layout's difference from the reference with these per-step relative loss differences."""
-    worst = max(steps)
-    return Difference((worst, steps.index(worst) + 1), (worst, "fc1.weight"), 0.0, {}, None,
-                      True, False, {}, steps)  # fmt: skip
+def difference(losses: list[float], weights: list[float], evaluated: float = 0.0) -> Difference:
+    """A layout's difference from the reference with these per-step relative loss and weight
+    differences (the weights' in fc2.weight) and this validation loss difference."""
+    worst = max(losses)
+    return Difference(
+        loss=(worst, losses.index(worst) + 1), weight=(max(weights), "fc2.weight"),
+        eval_loss=evaluated, correct={}, failed=None, complete=True, drifted=False,
+        eval_losses={"val": evaluated}, steps=losses,
+        weight_steps=[(w, "fc2.weight") for w in weights],
+    )  # fmt: skip
+
+
+ROUNDING = [2e-16, 1e-16, 3e-16, 2e-16, 1e-16]  # what float64 rounding leaves, at each step
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("steps", "cause"),
+    ("losses", "weights", "float64", "cause"),
     [
-        ([3e-2, 4e-2, 5e-2], "in 2 DDP processes the loss differs from the first step (3.0e-02)"),
         (
-            [1e-7, 2e-7, 1e-7, 4e-3, 5e-3],
-            "in 2 DDP processes the loss jumps at step 4, from rounding (2e-07 up to there) to "
-            "4.0e-03: a near tie",
+            [3e-2, 4e-2, 5e-2], [1e-3, 2e-3, 3e-3], True,
+            "in 2 DDP processes the loss differs from the first step (3.0e-02): the layouts "
+            "compute something else",
         ),
         (
-            [1e-6, 4e-6, 9e-6, 3e-5],
-            "in 2 DDP processes the loss difference grows from step 1 (1e-06) to 3.0e-05 at step 4",
+            ROUNDING, [5e-6, 6e-6, 7e-6, 8e-6, 9e-6], True,
+            "in 2 DDP processes, the first step whose weights differ (step 1, by 5.0e-06 against "
+            "the rounding bound 1e-09, in fc2.weight): the layouts compute other gradients or "
+            "updates (the loss of step 1 agrees: the forward is the same)",
+        ),
+        (
+            ROUNDING, [1e-11, 1e-10, 8e-10, 3e-9, 1e-8], True,
+            "in 2 DDP processes, the first step whose weights differ (step 4, by 3.0e-09 against "
+            "the rounding bound 1e-09, in fc2.weight), after a difference that grew from 1e-11 at "
+            "step 1: the layouts compute other gradients or updates",
+        ),
+        (
+            [*ROUNDING[:4], 4e-3], [*ROUNDING[:3], 5e-3, 6e-3], True,
+            "in 2 DDP processes the weights agree with the reference's to rounding (3e-16) up to "
+            "step 3 and jump at step 4 (by 5.0e-03 against the rounding bound 1e-09, in "
+            "fc2.weight): a near tie (a ReLU, a max) that rounding tipped",
+        ),
+        (
+            [*ROUNDING[:4], 4e-3], [*ROUNDING[:3], 5e-3, 6e-3], False,
+            "in 2 DDP processes the weights agree with the reference's to rounding (3e-16) up to "
+            "step 3 and jump at step 4 (by 5.0e-03 against the rounding bound 1e-09, in "
+            "fc2.weight): a near tie that rounding tipped, or a difference in what that step "
+            "computes; debug.precision=64 tells them apart",
         ),
     ],
-)
-def test_the_course_of_the_loss_difference_is_named(steps, cause):
-    """A difference from the first step is a real one; a jump from rounding level at one step is
-    a near tie that flipped; a steady growth compounds."""
-    rows = {"2 DDP processes": difference(steps)}
-    assert equivalence.loss_course(["2 DDP processes"], rows, 1e-5).startswith(cause)
+)  # fmt: skip
+def test_where_the_layouts_part_is_named(losses, weights, float64, cause):
+    """A loss that differs from step 1 is another forward; weights that differ after step 1, or
+    grow past rounding, other gradients or updates; a jump from rounding's level at one step may
+    be a near tie, claimed only where the comparison is in float64."""
+    rows = {"2 DDP processes": difference(losses, weights)}
+    assert equivalence.course(["2 DDP processes"], rows, 1e-9, float64).startswith(cause)
+
+
+@pytest.mark.unit
+def test_weights_equal_to_the_bit_and_ranks_that_drifted_are_said_so():
+    """Weights equal to the bit up to a jump are "exactly" so; a layout whose DDP ranks drifted
+    apart has that cause, named on its own, and no course."""
+    rows = {"2 DDP processes": difference([0.0, 0.0, 0.0], [0.0, 0.0, 5e-3])}
+    assert equivalence.course(["2 DDP processes"], rows, 1e-9, True).startswith(
+        "in 2 DDP processes the weights agree with the reference's exactly up to step 2 and jump "
+        "at step 3 (by 5.0e-03"
+    )
+    rows["2 DDP processes"].drifted = True
+    assert equivalence.course(["2 DDP processes"], rows, 1e-9, True) is None
+
+
+@pytest.mark.unit
+def test_layouts_that_train_alike_and_evaluate_otherwise_are_told_so():
+    """Weights within rounding after every step, a validation loss 1e-3 apart: the evaluation."""
+    rows = {"2 DDP processes": difference(ROUNDING, ROUNDING, evaluated=1e-3)}
+    assert equivalence.course(["2 DDP processes"], rows, 1e-9, True) == (
+        "in 2 DDP processes the weights agree with the reference's after every step (within "
+        "1e-09), and its val loss differs (1.0e-03): the evaluation differs (the weights it "
+        "evaluates, the model's evaluation mode or buffers)"
+    )
+
+
+@pytest.mark.unit
+def test_each_step_s_weights_are_compared_through_their_projections():
+    """2 numbers a tensor and step: the projections of weights 1e-6 apart (in the root mean
+    square, one element's) differ by about that, the same weights' by nothing."""
+    weights = torch.linspace(-0.5, 0.5, 10_000, dtype=torch.float64)
+    moved = weights.clone()
+    moved[7] += 1e-4  # a root mean square of 1e-6
+    directions = {}
+    (a, largest), (b, _) = (
+        equivalence.projections({"w": w}, directions)["w"] for w in (weights, moved)
+    )
+    assert largest == 0.5 and equivalence.projections({"w": weights}, {})["w"][0] == a
+    assert 1e-8 < abs(a - b) < 4e-6
 
 
 @pytest.mark.unit

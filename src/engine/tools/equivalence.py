@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import zlib
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,7 +20,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.engine import checkpoint, launch, parallel, storage
-from src.engine.build import build_model, build_parts, build_strategy, instantiated, read_settings
+from src.engine.build import (
+    build_callbacks,
+    build_model,
+    build_parts,
+    build_strategy,
+    build_task,
+    instantiated,
+    read_settings,
+)
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Settings
 from src.engine.core.context import Hook, Hooks, Run
@@ -36,10 +46,18 @@ PROCESSES = 2
 # 20 Fashion-MNIST CPU steps: the CNN within 3e-7 in float32, 4.2e-16 in float64, a small ViT with
 # Adam 8.8e-5 and 1.4e-13; real differences (BatchNorm on half a batch, randomness) 7e-2 or more.
 # bfloat16, float16, TF32 round 4e-3, 5e-4, 1e-3 per operation: a wide bound (drifting ranks fail)
+# float64's bound: each operation rounds by u = 2^-53 = 1.1e-16, and a sum of n terms taken in
+# another order differs by at most (n-1)·u of the sum of the terms' sizes (in practice √n·u), so a
+# step's update differs by a few u of its size; training carries and compounds that (the 1.4e-13
+# above is Adam's doing over 20 steps). 1e-9 is 7,000 times that and 10^7 times u, yet far below
+# what a real difference moves in step 1 alone (the weights after each step are compared): a
+# gradient 1% too large moved the MLP's weights by 5.3e-6 in its first step (the tests' data),
+# gradients sent in bfloat16 (8 bits of mantissa, 4e-3 apart) by 1.7e-6.
 FLOAT64, FLOAT32, LOWER_PRECISION = 1e-9, 1e-5, 1e-2
 ZERO_GRADIENT = 1e-6  # of the largest: a 0 one's rounding (float32's is 1.2e-7 of the terms)
-# A loss difference that first passes the tolerance at this many times its largest before: a near
-# tie flipped (rounding's grew at most 3-fold a step over 40 float32 steps of the MLP and a ViT).
+# A difference (the weights after a step) that first passes the tolerance at this many times its
+# largest before: a jump, as from a near tie flipped (rounding's grew at most 3-fold a step over
+# 40 float32 steps of the MLP and a ViT).
 JUMP = 20
 # The state of optimizers that divide each gradient by its running size (Adam, AdamW, RMSprop,
 # Adagrad, Adadelta, Adamax): they turn the rounding noise of a zero gradient into a step.
@@ -59,6 +77,8 @@ class Trace:
     """What one layout did."""
 
     losses: list[float] = field(default_factory=list)  # each step's loss over its global batch
+    # Each step's weights, each tensor as (its projection, its largest size): see `projections`.
+    projected: list[dict[str, tuple[float, float]]] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # at the end, on the CPU
     evals: dict[str, dict] = field(default_factory=dict)  # val / test: evaluate()'s, and size
     no_grad: list[str] = field(default_factory=list)  # parameters without a gradient, step 1
@@ -108,8 +128,9 @@ def check(cfg: DictConfig) -> None:
     processes = layout_config(cfg, device, micro, group, trainer.precision)
     traces = train_layouts(one, run) + launch.start_workers(group_layouts, processes, PROCESSES)
     layouts = dict(zip(layout_names(micro, mode), traces, strict=True))
-    rows = {name: compare(trace, traces[0], steps) for name, trace in layouts.items()}
-    log.info("\n%s", table(rows, traces[0]))
+    monitor = settings.checkpoint.monitor
+    rows = {name: compare(trace, traces[0], steps, monitor) for name, trace in layouts.items()}
+    log.info("\n%s", table(rows, traces[0], monitor))
     if differ := [name for name, row in rows.items() if not row.within(tolerance)]:
         causes = likely_causes(layouts, rows, differ, probe(one, run), processes, tolerance)
         raise NotEquivalent(
@@ -223,7 +244,10 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     """Train `debug.steps` steps in `micro` micro-batches with `fit`, watching; then evaluate."""
     steps, data, trace = cfg.debug.steps, run.data, Trace()
     trainer = replace(run.trainer, accumulate_grad_batches=micro)
-    run = replace(run, settings=replace(run.settings, trainer=trainer))
+    # A task and callbacks of its own, as a run has: a fork's may keep state (a count, an average
+    # of the weights) that the layout trained before would otherwise hand on to this one.
+    settings = replace(run.settings, trainer=trainer, task=build_task(cfg))
+    run = replace(run, settings=settings, hooks=Hooks([build_callbacks(cfg), Watcher(trace)]))
     model = build_model(cfg, run, weights)
     dropouts_off(run.strategy.unwrap(model))
     parts, progress, _ = build_parts(cfg, run, model, None)  # the schedule planned as configured
@@ -231,17 +255,16 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     epochs = max(trainer.epochs, math.ceil(steps / data.steps_per_epoch))
     trainer = replace(trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
     trainer = replace(trainer, test_weights="last", early_stopping_patience=None)
-    policy = replace(run.settings.checkpoint, save=False)
-    settings = replace(run.settings, trainer=trainer, checkpoint=policy)
-    fitting = replace(run, settings=settings, hooks=Hooks([Watcher(trace, parts)]))
-    fitting.checkpointer = Checkpointer(policy, Path.cwd(), run.process, run.strategy, {}, {})
+    policy = replace(settings.checkpoint, save=False)
+    run = replace(run, settings=replace(settings, trainer=trainer, checkpoint=policy))
+    run.checkpointer = Checkpointer(policy, Path.cwd(), run.process, run.strategy, {}, {})
     try:
-        fit(fitting, parts, progress)
+        fit(run, parts, progress)
     except RuntimeError as err:
         if DDP_UNUSED_PARAMETERS not in str(err):
             raise
         trace.failed = f"step {len(trace.losses) + 1}: {DDP_UNUSED_PARAMETERS}"
-    for split in ("val", "test"):
+    for split in ("val", "test"):  # through its callbacks: the weights they evaluate (an average)
         if data.size(split):
             trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
     state = run.strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
@@ -250,15 +273,23 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
 
 
 class Watcher(Hook):
-    """After each step: the loss over the global batch, and what makes layouts differ."""
+    """After each step: the loss over the global batch, the weights, and what makes layouts
+    differ."""
 
-    def __init__(self, trace: Trace, parts: Parts) -> None:
-        self.trace, self.parts = trace, parts
+    def __init__(self, trace: Trace) -> None:
+        self.trace, self.parts = trace, None
+        self.directions: dict[str, torch.Tensor] = {}  # each tensor's, made once
+
+    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
+        self.parts = parts
+        return nullcontext()
 
     def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
         model, process = run.strategy.unwrap(self.parts.model), run.process
         trace, step, parameters = self.trace, progress.step, list(model.named_parameters())
         trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
+        whole = run.strategy.model_state(self.parts.model)  # gathered onto rank 0 where sharded
+        trace.projected.append(projections(whole, self.directions))
         if step == 1:
             trace.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
             trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
@@ -272,6 +303,26 @@ class Watcher(Hook):
                     trace.gradients[name] = torch.maximum(trace.gradients.get(name, size), size)
             state = self.parts.optimizer.state.values()
             trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
+
+
+def projections(
+    state: dict[str, torch.Tensor], directions: dict[str, torch.Tensor]
+) -> dict[str, tuple[float, float]]:
+    """Each float tensor of `state` as 2 numbers instead of a copy of it each step: its projection
+    on a fixed random direction (normal, the same in every process), divided by √size, and its
+    largest size. Two layouts' projections differ by about the root mean square of their weights'
+    difference (times a normal number: 4 times it at most, but once in 16,000 tensors)."""
+    found = {}
+    for name, tensor in state.items():
+        if not (tensor.is_floating_point() and tensor.numel()):
+            continue
+        flat = tensor.detach().to("cpu", torch.float64).flatten()
+        if name not in directions:
+            seeded = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            directions[name] = torch.randn(flat.numel(), generator=seeded, dtype=torch.float64)
+        projection = (flat @ directions[name]).item() / math.sqrt(flat.numel())
+        found[name] = (projection, flat.abs().max().item())
+    return found
 
 
 def dropouts_off(model: nn.Module) -> None:
@@ -295,16 +346,25 @@ class Difference:
     drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
     eval_losses: dict[str, float] = field(default_factory=dict)  # each split's
     steps: list[float] = field(default_factory=list)  # each step's loss difference
+    # Each step's weight difference, from the projections (of the tensor's largest weight above
+    # 1), and where: the step whose weights first differ is where the layouts part.
+    weight_steps: list[tuple[float, str | None]] = field(default_factory=list)
+    monitored: float | None = None  # its checkpoint.monitor value (the layout's own, not a change)
 
     def within(self, tolerance: float) -> bool:
         worst = max(self.loss[0], self.weight[0], self.eval_loss)
         return self.complete and not self.drifted and worst <= tolerance
 
 
-def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
-    """How far `trace` is from the reference."""
+def compare(trace: Trace, reference: Trace, steps: int, monitor: str = "") -> Difference:
+    """How far `trace` is from the reference, and its value of the `monitor` metric."""
     pairs = zip(trace.losses, reference.losses, strict=False)
     per_step = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
+    weight_steps = [
+        max(((abs(a[n][0] - b[n][0]) / max(1.0, b[n][1]), n) for n in b if n in a),
+            default=(0.0, None))
+        for a, b in zip(trace.projected, reference.projected, strict=False)
+    ]  # fmt: skip
     loss = max(((d, step) for step, d in enumerate(per_step, 1)), default=(0.0, None))
     changes = (
         ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
@@ -321,16 +381,18 @@ def compare(trace: Trace, reference: Trace, steps: int) -> Difference:
     weight, eval_loss = max(changes, default=(0.0, None)), max(eval_losses.values(), default=0.0)
     complete = len(trace.losses) == steps and trace.failed is None
     drifted = trace.drifted is not None and trace.failed is None
-    return Difference(
-        loss, weight, eval_loss, correct, trace.failed, complete, drifted, eval_losses, per_step
-    )
+    monitored = trace.evals.get(monitor.partition("/")[0], {}).get(monitor)
+    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted,
+                      eval_losses, per_step, weight_steps, monitored)  # fmt: skip
 
 
-def table(rows: dict[str, Difference], reference: Trace) -> str:
-    """The layouts' differences side by side, under the reference's correct counts (or loss)."""
+def table(rows: dict[str, Difference], reference: Trace, monitor: str = "") -> str:
+    """The layouts' differences side by side, each one's `monitor` value (the metric that picks
+    best.pt), under the reference's correct counts (or loss)."""
     evals = reference.evals
     counted = {s: f"{s}/correct" in metrics for s, metrics in evals.items()}
-    lines = [["layout", "loss (step)", "weights (where)"]]
+    shown = any(row.monitored is not None for row in rows.values())  # without a validation: none
+    lines = [["layout", "loss (step)", "weights (where)", *([monitor] if shown else [])]]
     lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
     own = [  # the reference's row: its correct counts (or losses)
         f"{m[f'{s}/correct']}/{m['size']}" if counted[s] else f"{m.get(f'{s}/loss', math.nan):.4g}"
@@ -340,10 +402,14 @@ def table(rows: dict[str, Difference], reference: Trace) -> str:
         (loss, step), (weight, where) = row.loss, row.weight
         failed = row.failed and f"failed at {row.failed.split(':')[0]}"
         cells = [failed or f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
+        monitored = ["-" if row.monitored is None else f"{row.monitored:.4f}"] if shown else []
         for s in evals:
             change = f"{row.correct.get(s, 0):+d}"
             cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
-        lines.append([name, "-", "-", *own] if name.endswith("(reference)") else [name, *cells])
+        if name.endswith("(reference)"):
+            lines.append([name, "-", "-", *monitored, *own])
+        else:
+            lines.append([name, *cells[:2], *monitored, *cells[2:]])
     widths = [max(map(len, column)) for column in zip(*lines, strict=True)]
     return "\n".join("  ".join(map(str.ljust, line, widths)).rstrip() for line in lines)
 
@@ -413,7 +479,9 @@ def likely_causes(
         )
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
-    causes += filter(None, [zero_gradients(reference, where), loss_course(differ, rows, tolerance)])
+    float64 = probed[1].trainer.precision == "64"
+    parted = course(differ, rows, tolerance, float64)
+    causes += filter(None, [zero_gradients(reference, where), parted])
     return causes or [
         f"none this check can see; the largest weight difference is in {where} ({worst})"
     ]
@@ -441,29 +509,73 @@ def zero_gradients(reference: Trace, where: str | None) -> str | None:
     )
 
 
-def loss_course(differ: list[str], rows: dict[str, Difference], tolerance: float) -> str | None:
-    """How the largest loss difference came about: from step 1, a jump at one step, or growth."""
-    name = max(differ, key=lambda n: rows[n].loss[0])
-    steps = rows[name].steps
-    over = next((i for i, d in enumerate(steps) if d > tolerance), None)
-    if over is None:
+def course(
+    differ: list[str], rows: dict[str, Difference], tolerance: float, float64: bool
+) -> str | None:
+    """Where the layouts part from the reference: at step 1's loss (the forward), at the first
+    step whose weights differ beyond rounding (the gradients or the update), or at a jump."""
+    # A failure, or ranks that drifted apart, is a cause of its own, named above.
+    trained = [name for name in differ if not (rows[name].failed or rows[name].drifted)]
+    if not trained:
         return None
-    before, at = max(steps[:over], default=0.0), steps[over]
-    if over == 0:
+    name = max(trained, key=lambda n: rows[n].steps[0] if rows[n].steps else 0.0)
+    if rows[name].steps and (at := rows[name].steps[0]) > tolerance:
         return (
             f"in {name} the loss differs from the first step ({at:.1e}): the layouts compute "
             "something else (a sample, a scale, the model's own state), not rounding"
         )
-    if at >= JUMP * before:
+    parted = {n: step for n in trained if (step := first_over(rows[n].weight_steps, tolerance))}
+    if not parted:
+        return agreeing(trained, rows, tolerance)
+    name = min(parted, key=lambda n: (parted[n], -rows[n].weight_steps[parted[n] - 1][0]))
+    step, by_step = parted[name], rows[name].weight_steps
+    (at, where), before = by_step[step - 1], max((d for d, _ in by_step[: step - 1]), default=0.0)
+    by = f"by {at:.1e} against the rounding bound {tolerance:.0e}, in {where}"
+    if step > 1 and at >= JUMP * before:
+        level = f"to rounding ({before:.0e})" if before else "exactly"
+        agree = f"in {name} the weights agree with the reference's {level} "
+        if float64:  # float64's rounding tips a tie rarely, and then from rounding's level
+            return (
+                f"{agree}up to step {step - 1} and jump at step {step} ({by}): a near tie (a "
+                "ReLU, a max) that rounding tipped, carried on by training, or what that step "
+                "alone computes otherwise (its batch)"
+            )
         return (
-            f"in {name} the loss jumps at step {over + 1}, from rounding ({before:.0e} up to "
-            f"there) to {at:.1e}: a near tie (a ReLU, a max) that rounding tipped, carried on by "
-            "training: rounding, not DDP (debug.precision=64 makes such ties far rarer)"
+            f"{agree}up to step {step - 1} and jump at step {step} ({by}): a near tie that "
+            "rounding tipped, or a difference in what that step computes; debug.precision=64 "
+            "tells them apart (in float64 rounding tips ties far more rarely)"
         )
+    grew = f", after a difference that grew from {by_step[0][0]:.0e} at step 1" if step > 1 else ""
     return (
-        f"in {name} the loss difference grows from step 1 ({steps[0]:.0e}) to {at:.1e} at step "
-        f"{over + 1}: a difference in what the layouts compute, compounding"
+        f"in {name}, the first step whose weights differ (step {step}, {by}){grew}: the layouts "
+        "compute other gradients or updates (the loss of step 1 agrees: the forward is the same)"
     )
+
+
+def first_over(by_step: list[tuple[float, str | None]], tolerance: float) -> int | None:
+    """The first step whose difference passes `tolerance` (counted from 1), or None."""
+    return next((step for step, (d, _) in enumerate(by_step, 1) if d > tolerance), None)
+
+
+def agreeing(trained: list[str], rows: dict[str, Difference], tolerance: float) -> str | None:
+    """What differs in layouts whose weights agree with the reference's after every step."""
+    agree = f"the weights agree with the reference's after every step (within {tolerance:.0e})"
+    for name in trained:
+        if step := first_over([(d, None) for d in rows[name].steps], tolerance):
+            return (
+                f"in {name} {agree}, and the loss of step {step} differs "
+                f"({rows[name].steps[step - 1]:.1e}): what the layouts report as the loss differs "
+                "(a sample, a scale), not what they train"
+            )
+    for name in trained:
+        losses = rows[name].eval_losses
+        if (split := max(losses, key=losses.get, default=None)) and losses[split] > tolerance:
+            return (
+                f"in {name} {agree}, and its {split} loss differs ({losses[split]:.1e}): the "
+                "evaluation differs (the weights it evaluates, the model's evaluation mode or "
+                "buffers)"
+            )
+    return None
 
 
 def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
