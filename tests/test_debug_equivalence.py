@@ -142,6 +142,7 @@ def test_gradients_that_differ_are_named_at_the_first_step_whose_weights_differ(
     assert "near tie" not in output
 
 
+@pytest.mark.slow
 def test_a_task_with_state_is_built_afresh_for_each_layout(tmp_path, tiny_data):
     """tests/equivalence_forks.py's task halves its label smoothing after each evaluation, and
     the checkpoint holds its count: a layout that took the task the one before it had evaluated
@@ -151,6 +152,7 @@ def test_a_task_with_state_is_built_afresh_for_each_layout(tmp_path, tiny_data):
     assert "Equivalent: every layout trains this config as one process does" in output
 
 
+@pytest.mark.slow
 def test_an_average_of_the_weights_is_kept_and_evaluated_in_each_layout(tmp_path, tiny_data):
     """callbacks=ema (src/callbacks.py), an average that moves fast (decay 0.5): each layout's
     own, set up as its training starts, and its test evaluates it (the callback says so, once

@@ -355,7 +355,7 @@ def assert_trains_as_one_process(run_dir, reference) -> None:
         assert math.isclose(ours["train/loss"], ref["train/loss"], rel_tol=0, abs_tol=LOSS_ATOL)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["none", *(pytest.param(m, marks=SLOW) for m in list(MODES)[1:])])
 def test_the_rules_groups_train_in_every_mode(runs, mode):
     """The optimizer of every mode holds the rule's groups, the MLP's two weight matrices with
     the optimizer's decay and its two biases without, and trains what one process trains."""
