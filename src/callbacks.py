@@ -88,7 +88,7 @@ class EMA(Callback):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        ours = {name: tuple(self.full(t).shape) for name, t in self.average.items()}
+        ours = {name: tuple(t.shape) for name, t in self.average.items()}  # FSDP's: whole
         theirs = {name: tuple(t.shape) for name, t in state.items()}
         if ours != theirs:
             differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
