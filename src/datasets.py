@@ -233,10 +233,28 @@ class IDX(FixedSize):
                 f"{label_path} holds {tuple(labels.shape)} labels for {len(images)} images in "
                 f"{image_path}: the two files do not belong together."
             )
+        known = KNOWN_IDX.get(hashlib.sha256(labels.numpy().tobytes()).hexdigest()[:16])
+        if known and known[0] != self.torchvision_class:  # would train, on the wrong statistics
+            raise UserError(
+                f"{folder} holds {known[0]}'s IDX files, not {self.torchvision_class}'s "
+                f"({label_path.name} is {known[0]}'s). Train on them with data={known[1]} "
+                f"data.root={self.root}, or point data.root at {self.torchvision_class}'s files."
+            )
         return Tensors(images.unsqueeze(1), labels.long())  # N×1×28×28: channels first
 
     def __str__(self) -> str:
         return str(find_idx_folder(self.root, self.torchvision_class))
+
+
+# The IDX datasets known by their labels (SHA-256 of each split's label bytes, gzipped or not, as
+# read from the published files): (torchvision's class, its data= config). The four files of one
+# look like any other's, so given as another (data=mnist on Fashion-MNIST's) they would train.
+KNOWN_IDX = {
+    "1feba77c54802fa5": ("MNIST", "mnist"),  # train-labels-idx1-ubyte
+    "ddeff807876a9661": ("MNIST", "mnist"),  # t10k-labels-idx1-ubyte
+    "657fbd221bfc9f41": ("FashionMNIST", "fashion_mnist"),
+    "3d0e6c6ea990b53b": ("FashionMNIST", "fashion_mnist"),
+}
 
 
 IDX_FILES = {

@@ -1,6 +1,7 @@
 """The data path: IDX files read through the real loading code, and the sample order."""
 
 import gzip
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +196,26 @@ def test_fashion_mnist_package_layout(tmp_path):
             tmp_path,
         )
     )
+
+
+DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(
+    not DEBIAN_FASHION.is_dir(), reason="needs dataset-fashion-mnist (.ci/run installs it)"
+)
+def test_another_idx_datasets_files_are_named(tmp_path):
+    """Fashion-MNIST's published files given as MNIST's (data=mnist) are named, not trained on:
+    the four files of one IDX dataset look like any other's."""
+    with pytest.raises(UserError) as refused:
+        mnist(DEBIAN_FASHION).setup(Process())
+    assert str(refused.value) == (
+        f"{DEBIAN_FASHION} holds FashionMNIST's IDX files, not MNIST's (train-labels-idx1-ubyte.gz "
+        f"is FashionMNIST's). Train on them with data=fashion_mnist data.root={DEBIAN_FASHION}, "
+        "or point data.root at MNIST's files."
+    )
+    mnist(DEBIAN_FASHION, torchvision_class="FashionMNIST").setup(Process())  # as its own: read
 
 
 def test_offline_env_blocks_downloads(tmp_path):
