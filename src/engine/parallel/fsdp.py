@@ -188,7 +188,8 @@ def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str
     names = {id(p): name for name, p in model.named_parameters()}
     state = _rekeyed(state, [names[id(p)] for g in optimizer.param_groups for p in g["params"]])
     # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this) are left
-    # out: the settings are this config's anyway (resume.apply_settings), the moments continue.
+    # out: the settings are this config's anyway (checkpoint.OptimizerState.settings_kept), the
+    # moments continue.
     state["param_groups"] = [
         {k: v for k, v in saved.items() if k in group or k == "params"}
         for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
