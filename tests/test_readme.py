@@ -1,4 +1,5 @@
-"""Every training command the README shows runs as written, on tiny data for a few steps.
+"""Every training command the README and its pages (docs/*.md, bench/README.md) show runs as
+written, on tiny data for a few steps; the README stays the door to those pages.
 
 The set-up commands (pip, apt-get), `pytest` itself and writing Fashion-MNIST as an image folder
 are run by .ci/run, the benchmarks by tests/test_bench.py (bench/memory.py and bench/startup.py
@@ -12,6 +13,7 @@ import time
 
 import pytest
 from conftest import (
+    DOCUMENTS,
     REPO,
     defaults_for_tests,
     mode_command,
@@ -35,7 +37,7 @@ SET_UP = ("pip install", "apt-get install", "pytest", "wandb sync", "python benc
 
 @pytest.mark.unit
 def test_readme_commands_are_all_known():
-    """A command the README shows is either run below or by .ci/run."""
+    """A command the README or its pages show is either run below or by .ci/run."""
     commands = readme_commands()
     assert {
         "python train.py",
@@ -46,6 +48,50 @@ def test_readme_commands_are_all_known():
     } <= set(commands)
     unknown = [c for c in commands if not c.startswith(RUNS + SET_UP)]
     assert not unknown, f"README commands no test runs: {unknown}"
+
+
+@pytest.mark.unit
+def test_the_readme_is_the_door_and_the_docs_hold_the_depth():
+    """The README shows the quick start, the launch lines, the outputs and the layout itself, in at
+    most 300 lines, and links each page of docs/, where the depth went."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, f"{len(readme.splitlines())} lines: move depth to docs/"
+    sections = {"Quickstart", "Launching", "Make it your project", "Layout", "Tests",
+                "Outputs, checkpoints and resuming"}  # fmt: skip
+    assert sections <= set(re.findall(r"^## (.+)$", readme, re.M))
+    shown = "".join(re.findall(r"```bash\n(.*?)```", readme, re.S))
+    door = ["pip install -r requirements.txt && python train.py", "python train.py parallel=dp",
+            "torchrun --nproc_per_node=4 train.py parallel=ddp", "python train.py parallel=fsdp",
+            "python train.py -m optimizer.lr=0.1,0.01 model=mlp,cnn",
+            "python train.py debug=fast"]  # fmt: skip
+    missing = [c for c in door if c not in shown]
+    assert not missing, f"the README's own blocks lack {missing}"
+    unlinked = [p.name for p in (REPO / "docs").glob("*.md") if f"](docs/{p.name}" not in readme]
+    assert not unlinked, f"pages the README does not link: {unlinked}"
+
+
+def anchors(page) -> set[str]:
+    """The anchors GitHub gives the headings of a page (code blocks left out)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.unit
+def test_every_link_between_the_pages_leads_to_a_file_and_heading():
+    """A relative link of the README or its pages names a file that exists and, after `#`, one of
+    its headings: depth moved from one page to another keeps the links to it."""
+    broken = []
+    for page in DOCUMENTS:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            name, _, anchor = target.partition("#")
+            if "://" in name:
+                continue
+            path = (page.parent / name) if name else page
+            if not path.exists() or (anchor and anchor not in anchors(path)):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken
 
 
 def run_readme_command(command: str, tmp_path, tiny_data) -> None:
