@@ -297,7 +297,8 @@ def test_every_yaml_key_has_a_comment():
          r"checkpoints=true logs the run's best.pt and last.pt, and checkpoint.save=false writes "
          r"none: drop checkpoint.save=false, or set logger.log_checkpoints=false.$"),
         ("logger=wandb logger.log_checkpoints=true train=false ckpt_path=a.pt", r"^logger.log_"
-         r"checkpoints=true logs the run's best.pt and last.pt, and train=false writes none"),
+         r"checkpoints=true logs the run's best.pt and last.pt, and train=false writes none \(the "
+         r"checkpoint it tests is already kept\): set logger.log_checkpoints=false.$"),
         ("resume=false", r"^resume=false is not allowed: use auto \(the run folder's last.pt\), "
          r"null \(never\) or a checkpoint's path.$"),
         ("init_from=1", "^init_from=1 is not allowed: use null or a checkpoint's path.$"),

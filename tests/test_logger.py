@@ -1,7 +1,7 @@
 """wandb's mode, and a wandb that fails: training goes on with metrics.jsonl."""
 
 import pytest
-from conftest import offline_env, ok, read_metrics, run_dirs, train
+from conftest import offline_env, ok, read_metrics, run_dirs, train, wandb_records
 
 from src.engine.logger import wandb_mode
 
@@ -48,3 +48,47 @@ def test_wandb_failure_never_stops_training(tmp_path, tiny_data):
     assert "logging to metrics.jsonl only" in result.stdout + result.stderr
     (run_dir,) = run_dirs(tmp_path)
     assert read_metrics(run_dir)[1], "training went on and evaluated"
+
+
+def test_a_sweeps_wandb_runs_are_named_by_what_tells_them_apart(tmp_path, tiny_data):
+    """A 2-job sweep, no `.hydra/` folder written (nothing to read back: Hydra's own record of each
+    job names it): each name starts with the job's number and swept value, and is cut at its far
+    end; one group for the sweep."""
+    env = offline_env(HOME=str(tmp_path / "home"), WANDB_MODE="offline")
+    overrides = [
+        f"data.root={tiny_data}",
+        "trainer.max_steps=2",
+        "hydra.output_subdir=null",
+        "optimizer.lr=0.1,0.01",
+    ]
+    ok(train(["-m", *overrides], tmp_path, env=env))
+    jobs = sorted((tmp_path / "outputs" / "multirun").glob("*/*/[0-9]*"))
+    assert [job.name for job in jobs] == ["0", "1"] and not list(tmp_path.rglob(".hydra"))
+    sweep = jobs[0].parent.relative_to(tmp_path / "outputs")
+    for number, (job, lr) in enumerate(zip(jobs, ["0.1", "0.01"], strict=True)):
+        (run,) = wandb_records(job, "run")
+        name = run["display_name"]
+        assert name.startswith(f"train #{number} optimizer.lr={lr} data.root={tiny_data} "), name
+        assert len(name) == 128 and name.endswith("…"), name  # paths.log_dir=... cut
+        assert run["run_group"] == f"train {sweep}"
+
+
+@pytest.mark.slow
+def test_self_launched_ddp_workers_name_the_run_as_the_command_line(tmp_path, tiny_data):
+    """The workers of `parallel=ddp` without torchrun have no Hydra of their own: the launching
+    process resolves the name in the config it hands them. No `.hydra/` to read it back from."""
+    env = offline_env(HOME=str(tmp_path / "home"), WANDB_MODE="offline")
+    overrides = [
+        f"data.root={tiny_data}",
+        "parallel=ddp",
+        "parallel.nproc_per_node=2",
+        "trainer.max_steps=2",
+        "hydra.output_subdir=null",
+    ]
+    ok(train(overrides, tmp_path, env=env))
+    (wandb_dir,) = (tmp_path / "outputs").rglob("wandb")
+    assert not list(tmp_path.rglob(".hydra"))
+    (run,) = wandb_records(wandb_dir.parent, "run")
+    expected = f"train data.root={tiny_data} parallel=ddp parallel.nproc_per_node=2 trainer.max_"
+    assert run["display_name"].startswith(expected), run["display_name"]
+    assert (run.get("run_group"), run["job_type"]) == (None, "train")

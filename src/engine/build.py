@@ -12,7 +12,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, ValidationError
-from omegaconf.errors import ConfigKeyError, InterpolationKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, InterpolationKeyError
 from torch import nn
 
 from src.engine import checkpoint, config, storage
@@ -96,15 +96,15 @@ def unfilled(full_key: str, key: str, has: str) -> UserError:
 def check_logged_checkpoints(logger: dict[str, Any], saved: Checkpointing, train: bool) -> None:
     """logger.log_checkpoints=true needs a tracker to log to and checkpoints to log."""
     if not logger.get("_target_"):
-        why = "and logger=none has no tracker: use logger=wandb"
+        why = "and logger=none has no tracker: use logger=wandb, or set"
     elif not train:
-        why = "and train=false writes none (the checkpoint it tests is already kept)"
+        why = "and train=false writes none (the checkpoint it tests is already kept): set"
     elif not saved.save:
-        why = "and checkpoint.save=false writes none: drop checkpoint.save=false"
+        why = "and checkpoint.save=false writes none: drop checkpoint.save=false, or set"
     else:
         return
     raise UserError(
-        f"logger.log_checkpoints=true logs the run's best.pt and last.pt, {why}, or set "
+        f"logger.log_checkpoints=true logs the run's best.pt and last.pt, {why} "
         "logger.log_checkpoints=false."
     )
 
@@ -151,7 +151,7 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
-        given |= tracker_defaults(cfg.logger, settings, run_dir)
+        given |= tracker_defaults(cfg.logger, settings)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
     def write() -> None:
@@ -169,25 +169,12 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         yield logger
 
 
-def tracker_defaults(logger: DictConfig, settings: Settings, run_dir: Path) -> dict[str, Any]:
-    """What a tracker's keys left null take from the run: its name (`task_name` and the overrides
-    Hydra recorded), a sweep job's group, the job's type, and the monitor to summarise by."""
-    hydra = run_dir / ".hydra"
-    overrides, mode = [], None
-    with suppress(OSError, OmegaConfBaseException):  # none recorded: the task's name alone
-        overrides = list(OmegaConf.load(hydra / "overrides.yaml"))
-        mode = OmegaConf.select(OmegaConf.load(hydra / "hydra.yaml"), "hydra.mode")
-    shown = [o for o in map(str, overrides) if not o.startswith(("hydra.", "hydra/"))]
-    task_name = str(settings.config.get("task_name") or "train")
-    sweep = run_dir.parent  # a sweep job's folder is one of the sweep's: 0, 1, ...
-    with suppress(ValueError):  # named from where the run folders go, where it is there
-        sweep = sweep.relative_to(Path(settings.config["paths"]["log_dir"]).absolute())
-    defaults = {
-        "name": " ".join([task_name, *shown])[:128],
-        "group": f"{task_name} {sweep}"[:128] if str(mode) == "MULTIRUN" else None,
-        "job_type": "train" if settings.train else "eval",
-    }
-    given = {key: value for key, value in defaults.items() if logger.get(key, "") is None}
+def tracker_defaults(logger: DictConfig, settings: Settings) -> dict[str, Any]:
+    """What a tracker's keys left null take from the run: the job's type and the monitor to
+    summarise by (its name and group are resolved in the config: conf/logger/wandb.yaml)."""
+    given = {}
+    if logger.get("job_type", "") is None:
+        given["job_type"] = "train" if settings.train else "eval"
     if (monitor := settings.checkpoint.monitor) and settings.checkpoint.mode and settings.train:
         given["monitor"] = (monitor, settings.checkpoint.mode)
     return given

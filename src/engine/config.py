@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import types
 from argparse import ArgumentError
+from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
+from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, ValidationError
 
@@ -423,7 +428,47 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-for name, resolver in {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}.items():
+def run_name(task_name: str) -> str:
+    """`${run_name:${task_name}}`, logger.name's default: `task_name`, a sweep job's number (#0),
+    then the job's overrides as Hydra took them, the swept ones first, cut at 128 characters from
+    the end."""
+    if not HydraConfig.initialized():  # composed outside a Hydra run (the compose API)
+        return task_name
+    hydra, words = HydraConfig.get(), [task_name]
+    overrides = list(hydra.overrides.task)
+    if hydra.mode == RunMode.MULTIRUN:  # the job's number tells the sweep's jobs apart
+        words.append(f"#{hydra.job.num}")
+        keys = swept(hydra.sweeper.get("params") or {})
+        overrides.sort(key=lambda override: override.split("=", 1)[0] not in keys)  # stable
+    name = " ".join(words + overrides)
+    return name if len(name) <= 128 else name[:127] + "…"
+
+
+def swept(params: dict[str, str]) -> set[str]:
+    """The keys a sweep varies, which a job's config does not record: its sweeper's `params`
+    (Optuna's search space) and the command line's sweeps (a=1,2), which a job in a process of its
+    own (submitit's) does not see."""
+    keys, args = set(params), get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
+    with suppress(OverrideParseException):  # not Hydra's command line: a job's own process
+        parsed = OverridesParser.create().parse_overrides(args)
+        keys |= {override.get_key_element() for override in parsed if override.is_sweep_override()}
+    return keys
+
+
+def sweep_group(task_name: str, log_dir: str) -> str | None:
+    """`${sweep_group:${task_name},${paths.log_dir}}`, logger.group's default: a sweep's jobs
+    share one, `task_name` and the sweep's folder (under `log_dir`, where there); a run has none."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    sweep = Path(HydraConfig.get().sweep.dir).absolute()
+    with suppress(ValueError):  # named from where the run folders go, where it is there
+        sweep = sweep.relative_to(Path(log_dir).absolute())
+    return f"{task_name} {sweep}"[:128]
+
+
+RESOLVERS = {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}
+RESOLVERS |= {"run_name": run_name, "sweep_group": sweep_group}  # the wandb run's, where Hydra runs
+for name, resolver in RESOLVERS.items():
     if not OmegaConf.has_resolver(name):
         OmegaConf.register_new_resolver(name, resolver)
 register()
