@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +39,8 @@ from conftest import (
     wait_for,
 )
 
-from src.engine.checkpoint import check_changes, on_cpu
+from src.engine.checkpoint import _read, check_changes, on_cpu
+from src.engine.errors import UserError
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
 
@@ -540,6 +544,10 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
         path.write_bytes(data[: len(data) // 2])
     elif kind == "garbage":
         path.write_bytes(b"not a checkpoint at all\n" * 10)
+    elif kind == "pickle-dump":  # not torch.save's: unpickling it would run a command
+        path.write_bytes(pickle.dumps({"model": Command(f"touch {folder / 'ran'}")}))
+    elif kind == "protocol-4":  # torch.save's, in a pickle protocol weights_only does not read
+        torch.save(load(saved)["model"], path, pickle_protocol=4)
     elif kind == "pickled-module":  # the whole model, as many tutorials save it
         torch.save(torch.nn.Linear(2, 2), path)
     elif kind == "malicious":  # unpickling it would run a command (os.system)
@@ -560,9 +568,16 @@ def bad_file(kind: str, saved: Path, folder: Path) -> Path:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("missing", "no such checkpoint file"),
-        ("truncated", "is not a readable checkpoint: truncated or corrupt"),
-        ("garbage", "is not a readable checkpoint: truncated or corrupt"),
+        ("missing", "does not exist: check the path (relative to "),
+        ("truncated", "is not a readable checkpoint: truncated or corrupt (PytorchStreamReader"),
+        ("garbage", "is not a file torch.save wrote (neither a zip archive nor torch's older "),
+        ("pickle-dump", "is not a file torch.save wrote (neither a zip archive nor torch's older "),
+        (
+            "protocol-4",
+            "holds a pickle that torch.load(weights_only=True) does not read "
+            "(Unsupported operand 149): if you trust the file, load it yourself and save its "
+            "model's state_dict() again with torch.save's default pickle_protocol.",
+        ),
         ("pickled-module", "(torch.nn.modules.linear.Linear), not only tensors"),
         ("malicious", f"({os.system.__module__}.system), not only tensors"),
         ("not-a-checkpoint", "is not a checkpoint of this template: it has no model"),
@@ -577,6 +592,106 @@ def test_bad_checkpoints_stop_with_one_sentence(tmp_path, tiny_data, saved, kind
     assert message in printed(result) and "Traceback" not in printed(result), printed(result)
     assert str(path) in printed(result)
     assert not (tmp_path / "ran").exists(), "the file's command ran"
+    assert "Detected pickle protocol" not in printed(result)  # torch's warning, before its error
+
+
+@pytest.mark.parametrize("given", ["init_from", "train=false ckpt_path", "resume"])
+def test_a_file_torch_save_did_not_write_is_named_so_unread(tmp_path, tiny_data, saved, given):
+    """A plain pickle.dump whose unpickling would run a command, and a text file, given for any
+    of the three: called what they are, with what to give instead; neither is unpickled, and no
+    run folder is left."""
+    run_dir = tmp_path / "run"
+    wanted = "a last.pt or best.pt from a run folder's checkpoints/" + (
+        "." if given == "resume" else ", or a model's state_dict() saved with torch.save."
+    )
+    for kind in ("pickle-dump", "garbage"):
+        path = bad_file(kind, saved, tmp_path)
+        before = path.read_bytes()
+        overrides = [*given.split()[:-1], f"{given.split()[-1]}={path}"]
+        result = train([f"data.root={tiny_data}", "logger=none", *overrides,
+                        f"hydra.run.dir={run_dir}"], tmp_path)  # fmt: skip
+        assert result.returncode == 1 and "Traceback" not in printed(result), printed(result)
+        assert (
+            f"{path} is not a file torch.save wrote (neither a zip archive nor torch's older "
+            f"format): give {wanted}" in printed(result)
+        )
+        assert "Detected pickle protocol" not in printed(result)
+        assert not (tmp_path / "ran").exists() and path.read_bytes() == before
+        assert not run_dir.exists()
+
+
+@pytest.mark.unit
+def test_the_reader_tells_torch_save_files_from_others(tmp_path):
+    """_read, in-process: torch.save's files in both its formats (zip, and the one before PyTorch
+    1.6) are read; a plain pickle and a text file are refused unread, an empty file is truncated."""
+    weights = {"w": torch.arange(3.0)}
+    for legacy in (False, True):
+        path = tmp_path / f"legacy-{legacy}.pt"
+        torch.save(weights, path, _use_new_zipfile_serialization=not legacy)
+        assert torch.equal(_read(path)["w"], weights["w"])
+    (tmp_path / "pickled.pt").write_bytes(pickle.dumps(weights))
+    (tmp_path / "text.pt").write_text("hello\n" * 10)  # torch.load raised a KeyError on it
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name, said in [
+        ("pickled", "is not a file torch.save wrote"),
+        ("text", "is not a file torch.save wrote"),
+        ("empty", "is not a readable checkpoint: truncated or corrupt (it ends early)"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(f"{tmp_path / name}.pt {said}")):
+            _read(tmp_path / f"{name}.pt")
+
+
+@pytest.mark.parametrize("nproc", [None, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_resume_stops_before_training_where_its_best_pt_cannot_be_used(
+    tmp_path, tiny_data, saved, nproc
+):
+    """last.pt intact, and the best.pt it records its best epoch in truncated or holding a Python
+    object: one sentence naming both before any work (not after training, at the test), on every
+    rank, the folder byte for byte as it was; best.pt moved away, as it says, the run goes on."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved.parent.parent, run_dir)
+    best, last_pt = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
+    overrides = [f"data.root={tiny_data}", *RUN, "trainer.epochs=2", f"hydra.run.dir={run_dir}"]
+    overrides += ["parallel=ddp"] if nproc else []
+    for spoil, why in [
+        ("truncated", "is not a readable checkpoint: truncated or corrupt (PytorchStreamReader "
+         "failed reading zip archive: failed finding central directory)"),
+        ("pickled-module", "holds Python objects (torch.nn.modules.linear.Linear), not only "
+         "tensors and plain values"),
+    ]:  # fmt: skip
+        best.write_bytes(bad_file(spoil, saved, tmp_path).read_bytes())
+        records = files(run_dir)
+        result = train(overrides, tmp_path, nproc=nproc)
+        assert result.returncode == 1
+        assert (
+            f"{last_pt} records its best epoch (1) in {best}, which {why}: delete or move {best} "
+            f"to resume from {last_pt} (the best so far then starts afresh), or give resume= "
+            "another checkpoint."
+        ) in printed(result), printed(result)
+        assert "epoch 2" not in printed(result) and "Training ended" not in printed(result)
+        assert files(run_dir) == records
+        if nproc:
+            return  # the rest does not depend on the ranks
+    best.unlink()
+    result = ok(train(overrides, tmp_path))
+    assert "but no best.pt lies beside it: the best so far starts afresh" in printed(result)
+    assert last(run_dir)["progress"]["step"] == 8
+
+
+def test_evaluating_a_bare_state_dict_says_it_records_no_training(tmp_path, tiny_data, saved):
+    """train=false ckpt_path=<torch.save(model.state_dict())>: the test line names the file's
+    weights, not "the weights after epoch 0 (step 0)" as if untrained ones were tested."""
+    path = tmp_path / "sd.pt"
+    torch.save(load(saved)["model"], path)
+    before = path.read_bytes()
+    overrides = [f"data.root={tiny_data}", "logger=none", "train=false", f"ckpt_path={path}",
+                 f"hydra.run.dir={tmp_path / 'eval'}"]  # fmt: skip
+    result = ok(train(overrides, tmp_path))
+    assert (
+        f"Test on the weights of {path}, which records no training progress: test loss"
+        in printed(result)
+    ), printed(result)
+    assert "after epoch 0" not in printed(result) and path.read_bytes() == before
 
 
 def test_an_evaluation_into_a_training_runs_folder_is_refused_and_changes_nothing(

@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -34,6 +35,21 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DataParallel/DDP and torch.
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 # checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
 SHARDS, SHARDED = "shards", ("model", "optimizer")
+# How a file torch.save wrote begins: a zip archive, or (its format before PyTorch 1.6) a pickle
+# of torch's magic number.
+ZIP, LEGACY = b"PK\x03\x04", torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+# What a checkpoint in shards is refused with, outside parallel=fsdp: why, then what to do.
+IN_SHARDS = ("holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp reads, "
+             "with any number of processes", ": add parallel=fsdp.")  # fmt: skip
+
+
+class Unusable(UserError):
+    """A checkpoint file this run cannot use, told as its path, `why` (a clause) and `then` (what
+    to do, its punctuation first); `why` serves the sentence on a resumed run's best.pt too."""
+
+    def __init__(self, path: Path | str, why: str, then: str):
+        super().__init__(f"{path} {why}{then}")
+        self.why = why
 
 
 class Weights:
@@ -213,6 +229,7 @@ class Checkpointer:
         self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
         if resumed:  # the model's weights were loaded as it was built
             path, state = resumed
+            self._check_best(path, state["progress"].get("best"))
             load_parts({k: v for k, v in parts.items() if k != "model"}, state)
             if shards := state.get(SHARDS):  # checkpoint.sharded=true: each rank its own
                 optimizer = parts["optimizer"]
@@ -305,6 +322,25 @@ class Checkpointer:
                 raise self.stopped(fault, step)
         return shards
 
+    def _check_best(self, path: Path, best: dict | None) -> None:
+        """Stop before training where the best.pt that the resumed checkpoint (at `path`) records
+        its `best` epoch in cannot be used: the test would load it after training. Read here and
+        again for the test, not kept in memory through training meanwhile."""
+        if not best or best["epoch"] is None:  # no validation, or no best.pt beside (told)
+            return
+        source, error = _best_pts(path, self.run_dir)[0], None
+        if self.process.is_main:
+            try:
+                _checked_best(source, self.parts["model"].model, self.strategy)
+            except Unusable as err:
+                error = (
+                    f"{path} records its best epoch ({best['epoch']}) in {source}, which "
+                    f"{err.why}: delete or move {source} to resume from {path} (the best so far "
+                    "then starts afresh), or give resume= another checkpoint."
+                )
+        if error := storage.agree(self.process, error):
+            raise UserError(error, every_rank=True)
+
     def load_best(self, model: nn.Module) -> None:
         """Load the run folder's best.pt into `model`, and the fork's parts (a task's state, the
         callbacks': an average of the weights): rank 0 reads it (the run folder is rank 0's, which
@@ -312,21 +348,30 @@ class Checkpointer:
         path, process, error, state = self.best, self.process, None, {}
         if process.is_main:
             try:
-                state = _checked(path, weights_only=True)
-                if SHARDS not in state:
-                    state["model"] = checked_weights(
-                        self.strategy.unwrap(model), path, state["model"]
-                    )
+                state = _checked_best(path, self.strategy.unwrap(model), self.strategy)
             except UserError as err:
                 error = str(err)
         if error := storage.agree(process, error):
             raise UserError(error)
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
-            load_shards(model, path, shards, self.strategy)
+            self.strategy.load_shards(model, Path(shards))
         else:
             self.strategy.load_model_state(model, state.get("model", {}), process)
         forks = {n: p for n, p in self.parts.items() if n in ("task", "callbacks")}
         load_parts(forks, process.broadcast_object({n: state.get(n) for n in forks}))
+
+
+def _checked_best(path: Path, model: nn.Module, strategy: Strategy) -> dict[str, Any]:
+    """The best.pt at `path`, read and checked against the plain `model` (its shards' names and
+    shapes, where it has shards): what the test loads."""
+    state = _checked(path, weights_only=True)
+    if SHARDS not in state:
+        state["model"] = checked_weights(model, path, state["model"])
+    elif not strategy.shards_checkpoints:
+        raise Unusable(path, *IN_SHARDS)
+    else:
+        check_saved(model, path, strategy.saved_tensors(Path(state[SHARDS])))
+    return state
 
 
 def starting_point(
@@ -404,16 +449,13 @@ def load(path: Path, process: Process, strategy: Strategy, weights_only: bool = 
     if error := storage.agree(process, error):
         raise UserError(error)
     if SHARDS in state and not strategy.shards_checkpoints:
-        raise UserError(
-            f"{path} holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp "
-            "reads, with any number of processes: add parallel=fsdp."
-        )
+        raise Unusable(path, *IN_SHARDS)
     return state
 
 
 def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
     """The checkpoint at `path` (upgraded from an older layout), or a UserError."""
-    state = _read(path)
+    state = _read(path, weights_only)
     if not isinstance(state, dict):  # no part of a checkpoint
         state = {}
     elif weights_only and state and all(torch.is_tensor(v) for v in state.values()):
@@ -424,18 +466,25 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
         needed = tuple(key for key in needed if key not in SHARDED)
         state[SHARDS] = str(path.parent / state[SHARDS])
         if not (Path(state[SHARDS]) / ".metadata").is_file():
-            raise UserError(
-                f"{path} keeps its weights in the folder {state[SHARDS]}, which is missing or "
-                "incomplete: copy that folder beside the file with it, or use an intact "
-                "checkpoint (best.pt is a second one)."
+            raise Unusable(
+                path,
+                f"keeps its weights in the folder {state[SHARDS]}, which is missing or incomplete",
+                ": copy that folder beside the file with it, or use an intact checkpoint (best.pt "
+                "is a second one).",
             )
     if missing := [key for key in needed if key not in state]:
-        raise UserError(
-            f"{path} is not a checkpoint of this template: it has no {', '.join(missing)}. "
-            "Give a last.pt or best.pt from a run folder's checkpoints/"
-            + (", or a model's state_dict." if weights_only else ".")
+        raise Unusable(
+            path,
+            f"is not a checkpoint of this template: it has no {', '.join(missing)}",
+            f". Give {_wanted(weights_only)}.",
         )
     return state
+
+
+def _wanted(weights_only: bool) -> str:
+    """What a run takes where a file cannot serve: to resume, or (`weights_only`) for weights."""
+    also = ", or a model's state_dict() saved with torch.save" if weights_only else ""
+    return f"a last.pt or best.pt from a run folder's checkpoints/{also}"
 
 
 def upgraded(state: dict[str, Any]) -> dict[str, Any]:
@@ -448,28 +497,50 @@ def upgraded(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "progress": progress}
 
 
-def _read(path: Path) -> Any:
+def _read(path: Path, weights_only: bool = False) -> Any:
+    """What torch.save wrote at `path`, unpickled by torch.load(weights_only=True), or a
+    UserError; any other file (a plain pickle, text) is refused before it is unpickled."""
     if not path.is_file():
-        raise UserError(
-            f"{path}: no such checkpoint file. Check the path (relative to {Path.cwd()})."
+        raise Unusable(path, "does not exist", f": check the path (relative to {Path.cwd()}).")
+    with open(path, "rb") as file:
+        head = file.read(32)
+    if head and not (head.startswith(ZIP) or LEGACY in head):
+        raise Unusable(
+            path,
+            "is not a file torch.save wrote (neither a zip archive nor torch's older format)",
+            f": give {_wanted(weights_only)}.",
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # its pickle protocol, told below if it is refused
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # torch words it "Unsupported global: GLOBAL x.y was not an allowed global" (a class),
-        # "unsupported GLOBAL posix.system whose module posix is blocked" (a function that runs).
-        unsafe, detail = re.search(r"GLOBAL ([\w.]+)", str(err)), "not a file torch.save wrote"
+        # "unsupported GLOBAL posix.system whose module posix is blocked" (a function that runs);
+        # else the instruction it refused, on the line after "WeightsUnpickler error:".
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
+        refused = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+        detail = refused.group(1).strip() if refused else first_line(err)
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        unsafe, detail = None, str(err).strip().split(". ")[0]
+        unsafe, refused, detail = None, None, str(err).strip().split(". ")[0] or "it ends early"
     if unsafe:
-        raise UserError(
-            f"{path} holds Python objects ({unsafe.group(1)}), not only tensors and plain values; "
-            "torch.load(weights_only=True) refuses to unpickle them, as that can run arbitrary "
-            "code. If you trust the file, load it yourself and save its model's state_dict()."
+        raise Unusable(
+            path,
+            f"holds Python objects ({unsafe.group(1)}), not only tensors and plain values",
+            "; torch.load(weights_only=True) refuses to unpickle them, as that can run arbitrary "
+            "code. If you trust the file, load it yourself and save its model's state_dict().",
         )
-    raise UserError(
-        f"{path} is not a readable checkpoint: truncated or corrupt ({detail}). "
-        "Use an intact copy (best.pt is a second one), or start without it."
+    if refused:
+        raise Unusable(
+            path,
+            f"holds a pickle that torch.load(weights_only=True) does not read ({detail})",
+            ": if you trust the file, load it yourself and save its model's state_dict() again "
+            "with torch.save's default pickle_protocol.",
+        )
+    raise Unusable(
+        path,
+        f"is not a readable checkpoint: truncated or corrupt ({detail})",
+        ". Use an intact copy (best.pt is a second one), or start without it.",
     )
 
 
@@ -481,11 +552,12 @@ def checked_weights(model: nn.Module, path: Path | str, state: dict) -> dict[str
         consume_prefix_in_state_dict_if_present(state, prefix)
     check_saved(model, path, {key: (tuple(t.shape), t.dtype) for key, t in state.items()})
     if bad := [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]:
-        raise UserError(
-            f"{path} holds weights that are not finite (NaN or infinite values in "
-            f"{', '.join(bad[:3]) + (', …' if len(bad) > 3 else '')}): nothing can be trained "
-            "from them or evaluated. Use an earlier checkpoint (best.pt is a second one), or "
-            "start without it."
+        raise Unusable(
+            path,
+            "holds weights that are not finite (NaN or infinite values in "
+            f"{', '.join(bad[:3]) + (', …' if len(bad) > 3 else '')})",
+            ": nothing can be trained from them or evaluated. Use an earlier checkpoint (best.pt "
+            "is a second one), or start without it.",
         )
     return state
 
@@ -510,9 +582,10 @@ def check_saved(model: nn.Module, path: Path | str, saved: dict[str, tuple]) -> 
     if problems:
         shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
         name = type(model).__name__.removeprefix("FSDP")  # FSDP made its class FSDP<name>
-        raise UserError(
-            f"{path} holds weights of another architecture than {name} ({shown}). "
-            "Choose the model= (and its sizes) it was saved with."
+        raise Unusable(
+            path,
+            f"holds weights of another architecture than {name} ({shown})",
+            ". Choose the model= (and its sizes) it was saved with.",
         )
     ours = {dtype for _, dtype in expected.values() if dtype.is_floating_point}
     theirs = {dtype for _, dtype in saved.values() if dtype.is_floating_point}
@@ -545,7 +618,8 @@ def _copy(source: Path, target: Path) -> None:
 
 # What decides which images train and validate, in what order: a resumed run keeps the checkpoint's.
 FIXED = ("seed", "data.seed", "data.split_seed", "data.val_size", "data.subset", "data.dataset")
-QUIET = ("paths", "resume")  # where files are: no line when they change
+# No line when they change: where files are, the wandb run's name (from the command line).
+QUIET = ("paths", "resume", "logger.name", "logger.group")
 
 
 def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: Any) -> None:
@@ -585,7 +659,7 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
     # A group that names another class (parallel=ddp → none): that line alone, not its keys'.
     switched = [k for k in keys if k.endswith("._target_") and before.get(k) != after.get(k)]
     for key in keys:
-        if key.split(".")[0] in QUIET or before.get(key) == after.get(key):
+        if {key, key.split(".")[0]} & set(QUIET) or before.get(key) == after.get(key):
             continue
         under = [target for target in switched if key.startswith(target.removesuffix("_target_"))]
         if not under or under == [key]:  # a switched group's own line, the outermost's alone

@@ -17,11 +17,13 @@ log = logging.getLogger(__name__)
 
 
 class Fitted(NamedTuple):
-    """Where training ended, and its best validation (None without a validation split)."""
+    """Where training ended, and its best validation (None without a validation split);
+    `unrecorded`: the file evaluated where it records no training (a bare state_dict)."""
 
     epoch: int
     step: int
     best: Best | None
+    unrecorded: str | None = None
 
 
 def evaluate_and_log(
@@ -39,20 +41,22 @@ def evaluate_and_log(
 
 def evaluate_weights(run: Run, model: nn.Module, weights: tuple) -> tuple[Fitted, float | None]:
     """train=false: the checkpoint's weights on the validation split, if there is one."""
-    saved = weights[1].get("progress", {})
-    fitted = Fitted(saved.get("epoch", 0), saved.get("step", 0), None)
+    path, saved = weights[0], weights[1].get("progress")
+    fitted = Fitted(saved["epoch"], saved["step"], None) if saved else Fitted(0, 0, None, str(path))
     if not run.data.size("val"):
         return fitted, None
     at = {"step": fitted.step, "epoch": fitted.epoch}
-    val = evaluate_and_log(run, model, "val", at, str(weights[0]))
+    val = evaluate_and_log(run, model, "val", at, str(path))
     return fitted, val[run.settings.checkpoint.monitor]
 
 
 def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
     """The test split, once, after training: on best.pt's weights (`trainer.test_weights=best`,
     where a validation picked them), else on the weights training ended with."""
-    epoch, step, best = fitted
+    epoch, step, best, unrecorded = fitted
     weights, weights_epoch = f"the weights after epoch {epoch} (step {step})", epoch
+    if unrecorded:  # not untrained weights: the file's, whatever trained them
+        weights = f"the weights of {unrecorded}, which records no training progress"
     if best and best.epoch is not None and run.trainer.test_weights == "best":
         run.checkpointer.load_best(model)
         weights = f"best.pt, the weights of epoch {best.epoch} ({best.monitor} {best.value:.4f})"
