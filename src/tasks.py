@@ -17,6 +17,7 @@ class Classification:
 
     modes = {"loss": "min", "acc": "max"}
     bounds = {"loss": (0, None), "acc": (0, 1)}  # a value outside: the sums broke the contract
+    takes = "a tensor of logits (N, classes), or (N, classes, H, W) for N×H×W targets"
 
     def __init__(self, label_smoothing: float = 0.0):
         if not 0 <= label_smoothing < 1:
@@ -70,6 +71,7 @@ class Regression:
 
     modes = {"loss": "min", "mae": "min"}
     bounds = {"loss": (0, None), "mae": (0, None)}
+    takes = "a tensor of the targets' shape (the inputs' with task.target=input)"
 
     def __init__(self, target: str = "target"):
         if target not in ("target", "input"):

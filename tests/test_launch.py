@@ -177,6 +177,25 @@ def test_under_torchrun_one_failing_rank_stops_every_rank(tmp_path, tiny_data):
     assert processes_in(tmp_path) == []
 
 
+def test_a_multirun_under_torchrun_is_told_once_and_quoted_by_torchruns_report(tmp_path, tiny_data):
+    """`torchrun --nproc_per_node=2 train.py -m ...`: the sentence is printed once, by local rank
+    0, and torchrun's report quotes it from rank 0's error file as the root cause; no run folder."""
+    overrides = ["-m", "optimizer.lr=0.1,0.01", f"data.root={tiny_data}", "logger=none"]
+    result = train(overrides, tmp_path, nproc=2)
+    assert result.returncode == 1
+    output = printed(result)
+    sentence = (
+        "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. Run it "
+        "without torchrun (each job starts its DDP processes): python train.py -m ..."
+    )
+    told, report = output.split("Failures:")
+    assert told.count(sentence) == 1, output  # by local rank 0 alone, before torchrun's report
+    root_cause = report.split("Root Cause")[1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and sentence in root_cause
+    assert "error_file: <N/A>" not in root_cause
+    assert run_dirs(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_a_bug_in_every_worker_is_shown_once_with_its_traceback(tmp_path, tiny_data):
     """Not a user mistake: a model whose forward raises a RuntimeError on every rank; one
@@ -231,6 +250,31 @@ def test_a_busy_port_of_a_tcp_rendezvous_is_one_sentence_self_launched(tmp_path,
     busy = f"of the rendezvous (parallel.init_method={tcp}) is in use, probably by another run"
     assert printed(result).count(busy) == 1, printed(result)
     assert "Traceback" not in printed(result)
+
+
+def test_a_tcp_rendezvous_on_torchruns_own_port_is_one_sentence(tmp_path, tiny_data):
+    """`torchrun --master_port=P` with parallel.init_method=tcp://...:P: the port is busy with
+    torchrun's own store, and rank 0 says to leave env://, which joins it; every rank stops."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tcp = f"tcp://127.0.0.1:{port}"
+    outputs = tmp_path / "outputs"
+    overrides = [f"data.root={tiny_data}", "logger=none", "parallel=ddp",
+                 f"parallel.init_method={tcp}", f"paths.log_dir={outputs}"]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={port}", str(REPO / "train.py"), *overrides,
+               *defaults_for_tests(overrides)]  # fmt: skip
+    result = run(command, cwd=tmp_path)
+    assert result.returncode == 1
+    told, report = printed(result).split("Failures:")
+    sentence = (
+        f"Port {port} of parallel.init_method={tcp} is torchrun's own rendezvous (--master_port): "
+        "under torchrun leave parallel.init_method=env://, which joins it."
+    )
+    assert told.count(sentence) == 1 and sentence in report.split("Root Cause")[1], told + report
+    assert printed(result).count("Traceback") == 1  # torchrun's own report's
+    assert processes_in(tmp_path) == []
 
 
 @pytest.mark.unit

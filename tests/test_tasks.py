@@ -2,8 +2,8 @@
 ranks and micro-batches, exact evaluation, one sentence for each mistake a fork makes, and the
 worked fork of docs/tasks.md, trained in every mode from the page's own code and commands.
 
-The page's code blocks that open with a path (`# fork/mytask.py`) are written into a folder of
-the test's, each under that path, and its `sh` block's commands are run from there as written,
+The page's code blocks, each under the path named above it (`fork/mytask.py`:), are saved as
+shown into a folder of the test's, and its `sh` block's commands are run from there as written,
 with the overrides that make the runs small."""
 
 import copy
@@ -52,11 +52,14 @@ PAGE = REPO / "docs" / "tasks.md"
 MISTAKES = '''"""A fork's mistakes, one per class."""
 
 import torch.nn.functional as F
+from hydra.utils import get_class
+from torch import nn
 from torchmetrics.classification import MulticlassF1Score
 
 import f1task
 import mytask
 from src.datasets import Tensors
+from src.tasks import Classification
 
 
 class PerToken(mytask.NextToken):
@@ -123,6 +126,34 @@ class MetricElsewhere(f1task.NextTokenF1):
         return super().sums(outputs, inputs, targets)
 
 
+class Returns(nn.Module):
+    """A model (`of`, built from the other keys) that returns its output with the features it
+    computed from (its input, here): as a tuple, a list or a dict (`kind`)."""
+
+    def __init__(self, kind, of="src.models.MLP", **keys):
+        super().__init__()
+        self.kind, self.net = kind, get_class(of)(**keys)
+
+    def forward(self, x):
+        y = self.net(x)
+        return {"tuple": (y, x), "list": [y, x], "dict": {"logits": y, "features": x}}[self.kind]
+
+
+class TakesLogitsAndFeatures(Classification):
+    """Not a mistake: a task that takes a model's (logits, features), and learns from the logits."""
+
+    takes = "a tuple (logits, features)"
+
+    def check(self, outputs, inputs, targets):
+        super().check(outputs[0], inputs, targets)
+
+    def loss(self, outputs, inputs, targets):
+        return super().loss(outputs[0], inputs, targets)
+
+    def sums(self, outputs, inputs, targets):
+        return super().sums(outputs[0], inputs, targets)
+
+
 class FloatCounting(mytask.Counting):
     """The counting sequences, with their targets as floats."""
 
@@ -133,8 +164,10 @@ class FloatCounting(mytask.Counting):
 
 
 def fork_files() -> dict[str, str]:
-    """The page's files: each code block that opens with `# fork/<path>`, the rest its text."""
-    blocks = re.findall(r"```(?:python|yaml)\n# (fork/\S+)\n(.*?)```", PAGE.read_text(), re.S)
+    """The page's files: each code block whole, under the line that names it (`fork/<path>`:)."""
+    blocks = re.findall(
+        r"^`(fork/\S+)`:\n\n```(?:python|yaml)\n(.*?)```", PAGE.read_text(), re.S | re.M
+    )
     return dict(blocks)
 
 
@@ -506,6 +539,61 @@ MISTAKES_REFUSED = {
         r"task's __init__, and the engine keeps it on the model's device, or move it in sums\(\) "
         r"with \.to\(outputs\.device\)\.$",
     ),
+    "a classifier that returns (logits, features)": (
+        [
+            "model._target_=mistakes.Returns",
+            "+model.kind=tuple",
+            "data.root={tiny_data}",
+            f"data.val_size={VAL_SIZE}",
+        ],
+        r"^model=mistakes.Returns returns a tuple \(tensor \(2, 10\), tensor \(2, 1, 28, 28\)\), "
+        r"and the task \(Classification\) takes a tensor of logits \(N, classes\), or \(N, "
+        r"classes, H, W\) for N×H×W targets: return that alone from the model's forward, or use "
+        r"a task that takes its output\.$",
+    ),
+    "an autoencoder that returns a dict": (
+        [
+            "model=autoencoder",
+            "task=regression",
+            "task.target=input",
+            "checkpoint.monitor=val/loss",
+            "model._target_=mistakes.Returns",
+            "+model.kind=dict",
+            "+model.of=src.models.AutoEncoder",
+            "data.root={tiny_data}",
+            f"data.val_size={VAL_SIZE}",
+        ],
+        r"^model=mistakes.Returns returns a dict \(logits: tensor \(2, 1, 28, 28\), features: "
+        r"tensor \(2, 1, 28, 28\)\), and the task \(Regression\) takes a tensor of the targets' "
+        r"shape \(the inputs' with task.target=input\): return that alone ",
+    ),
+    "a token model that returns a list": (
+        [
+            "experiment=counting",
+            "model._target_=mistakes.Returns",
+            "+model.kind=list",
+            "+model.of=mytask.TokenMLP",
+        ],
+        r"^model=mistakes.Returns returns a list \(tensor \(2, 16, 32\), tensor \(2, 16\)\), and "
+        r"the task \(NextToken\) takes a tensor of scores \(N, T, vocabulary\): return that ",
+    ),
+    "an image for each class number": (
+        ["model=autoencoder", "data.root={tiny_data}", f"data.val_size={VAL_SIZE}"],
+        r"^task=classification takes one score per class for each target, the classes in "
+        r"dimension 1 \(as cross_entropy\): the model's output is \(2, 1, 28, 28\) for targets of "
+        r"\(2,\), so it should be \(2, 'classes'\)\.$",
+    ),
+    "class scores for each image to reconstruct": (
+        [
+            "task=regression",
+            "task.target=input",
+            "checkpoint.monitor=val/loss",
+            "data.root={tiny_data}",
+            f"data.val_size={VAL_SIZE}",
+        ],
+        r"^task=regression compares the model's output with the targets value by value: the "
+        r"output is \(2, 10\) and the targets \(2, 1, 28, 28\)\.$",
+    ),
     "label smoothing of 2": (
         ["task.label_smoothing=2"],
         r"^task.label_smoothing=2 is not allowed: use 0 \(none\) up to below 1, e.g. 0.1\.$",
@@ -761,3 +849,57 @@ def test_ranks_that_disagree_on_a_metric_stop_at_once(tmp_path):
     # torchrun's own report of the failure holds its one traceback; the workers print none.
     assert output.count("Traceback") == 1 and "timed out" not in output.lower(), output
     assert not list(tmp_path.rglob("run.lock"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A model's output the task cannot take (a tuple, a list, a dict), from the command line
+
+RETURNS_TUPLE = ["model._target_=mistakes.Returns", "+model.kind=tuple"]
+
+
+@pytest.mark.unit
+def test_a_task_that_takes_the_models_tuple_is_not_refused(fork, tiny_data):
+    """The output is refused only where the task cannot take it: a task that takes (logits,
+    features) passes the checks before training."""
+    task = "task._target_=mistakes.TakesLogitsAndFeatures"
+    overrides = [*RETURNS_TUPLE, task, f"data.root={tiny_data}", f"data.val_size={VAL_SIZE}"]
+    start_of_run(compose_with_fork(fork, *overrides))
+
+
+def test_a_model_that_returns_a_tuple_stops_with_one_sentence(tmp_path, tiny_data):
+    """`python train.py` with a classifier that returns (logits, features): exit 1 with the
+    sentence alone, before any training and with nothing saved."""
+    write_fork(tmp_path)
+    env = offline_env(PYTHONPATH=str(tmp_path / "fork"))
+    result = train([f"data.root={tiny_data}", "logger=none", *RETURNS_TUPLE], tmp_path, env=env)
+    assert result.returncode == 1
+    output = printed(result)
+    sentence = (
+        "model=mistakes.Returns returns a tuple (tensor (2, 10), tensor (2, 1, 28, 28)), and the "
+        "task (Classification) takes a tensor of logits (N, classes), or (N, classes, H, W) for "
+        "N×H×W targets: return that alone from the model's forward, or use a task that takes "
+        "its output."
+    )
+    assert output.count(sentence) == 1, output
+    assert "Traceback" not in output and "epoch 1" not in output
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_under_torchrun_a_model_output_the_task_cannot_take_stops_every_rank(tmp_path):
+    """The page's DDP command with a token model that returns a list: both ranks stop before
+    training, the sentence told by local rank 0 and quoted by torchrun's report, no traceback."""
+    write_fork(tmp_path)
+    model = ["model._target_=mistakes.Returns", "+model.kind=list", "+model.of=mytask.TokenMLP"]
+    result = launch(commands()["ddp"], tmp_path, *SMALL, *model)
+    assert result.returncode == 1
+    output = printed(result)
+    sentence = (
+        "model=mistakes.Returns returns a list (tensor (2, 16, 32), tensor (2, 16)), and the task "
+        "(NextToken) takes a tensor of scores (N, T, vocabulary): return that alone from the "
+        "model's forward, or use a task that takes its output."
+    )
+    told, report = output.split("Failures:")
+    assert told.count(sentence) == 1, output  # by local rank 0 alone, before torchrun's report
+    assert sentence in report.split("Root Cause")[1]
+    assert output.count("Traceback") == 1  # torchrun's own report's, which holds the sentence
+    assert "epoch 1" not in output and not list(tmp_path.rglob("*.pt"))

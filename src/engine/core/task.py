@@ -25,7 +25,9 @@ and, where it has them: `modes` (a class attribute: each metric's name, and whet
 (`max`) or a lower (`min`) value is better; checked against `checkpoint.monitor` before training,
 it sets `checkpoint.mode` where that is null), `bounds` (a class attribute: each metric's lowest
 and highest value, None for no bound; two samples' metrics are checked against them before
-training, so that an accuracy above 1 shows a broken contract), `check(outputs, inputs, targets)`
+training, so that an accuracy above 1 shows a broken contract), `takes` (a class attribute: what
+the model's forward must return for it, in words, said to a model that returns a tuple or a dict
+the task cannot take; "one tensor" without it), `check(outputs, inputs, targets)`
 (a sentence for targets the task cannot take) and `captions(outputs, targets, class_names)`
 (what `predictions.png` writes under each input image; a task without it draws no predictions)."""
 
@@ -97,9 +99,19 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         ) from None
     finally:
         model.train(training)
-    if check := getattr(task, "check", None):
-        check(outputs, inputs, targets)
-    loss = task.loss(outputs, inputs, targets)
+    try:
+        if check := getattr(task, "check", None):
+            check(outputs, inputs, targets)
+        loss = task.loss(outputs, inputs, targets)
+    except (AttributeError, TypeError):
+        if torch.is_tensor(outputs):  # a bug in the task: its traceback
+            raise
+        raise UserError(
+            f"model={name} returns {described(outputs)}, and the task ({type(task).__name__}) "
+            f"takes {getattr(task, 'takes', 'one tensor')}: return that alone from the model's "
+            "forward, or use a task that takes its output.",
+            every_rank=True,
+        ) from None
     if not (torch.is_tensor(loss) and loss.ndim == 0):
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         raise UserError(
@@ -109,6 +121,19 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
     if torch.is_tensor(outputs):
         check_sums(task, outputs, inputs, targets, float(loss))
     check_metrics(task, outputs, inputs, targets)
+
+
+def described(outputs: Any) -> str:
+    """A model's output in words: a tuple's, a list's or a dict's items, each tensor's shape."""
+
+    def one(value: Any) -> str:
+        return f"tensor {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+
+    if isinstance(outputs, dict):
+        return f"a dict ({', '.join(f'{key}: {one(v)}' for key, v in outputs.items())})"
+    if isinstance(outputs, (tuple, list)):
+        return f"a {type(outputs).__name__} ({', '.join(map(one, outputs))})"
+    return f"a {type(outputs).__name__}"
 
 
 def place(task: Task, device: torch.device) -> None:

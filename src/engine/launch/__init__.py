@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import torch
@@ -121,29 +121,16 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     """`train(*args)` in a DDP worker: a failure exits with 1, written to torchrun's error file (a
     user's mistake as its message, else its traceback) for the launcher to report once."""
-
-    def fail(message: str) -> None:  # recorded, then exit with 1 as recorded (`exit_worker`)
-        Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-        exit_worker(1)
-
-    if not (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return train(*args)
     try:
         return train(*args)
     except CompactHydraException as err:
-        others = getattr(err, "every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0"
-        if isinstance(err, Stopped) or not (_self_launched or others):
-            # Said here, after the run's log: torchrun's report, which quotes it at its end, is
-            # 30 lines and more (Stopped: torchrun, stopped too, reports nothing).
-            print(err, file=sys.stderr)
-        if others:
-            # Told by local rank 0 alone (torchrun quotes each failed rank): the others record being
-            # stopped, after rank 0's failure, the root cause; not stopped in 5 s, they tell it too.
-            stop = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
-            signal.signal(signal.SIGTERM, lambda *_: fail(stop))
-            time.sleep(5.0)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        fail(str(err))
+        # Said here, after the run's log: torchrun's report, which quotes it at its end, is 30
+        # lines and more (Stopped: torchrun, stopped too, reports nothing); a self-launched
+        # worker's, by its launcher.
+        tell = isinstance(err, Stopped) or not _self_launched
+        fail_worker(str(err), getattr(err, "every_rank", False), tell)
     except SystemExit as err:  # a quiet end (a rank other than 0 stopped by a signal): no teardown
         if isinstance(err.code, str):
             print(err.code, file=sys.stderr)
@@ -153,6 +140,36 @@ def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     # Via the teardown, giving the launcher time to report a killed peer, often the crash's cause.
     logging.shutdown()
     sys.exit(1)
+
+
+def fail_worker(message: str, every_rank: bool, tell: bool = True) -> NoReturn:
+    """Exit a torchrun worker with 1 on a user's mistake, `message` written to torchrun's error file
+    for its report to quote, and printed where `tell`. One that every rank makes is told by local
+    rank 0 alone (torchrun quotes each failed rank): the others record being stopped, after rank
+    0's failure, the root cause; not stopped in 5 s, they record it too."""
+
+    def fail(said: str) -> NoReturn:  # recorded, then exit with 1 as recorded (`exit_worker`)
+        record = json.dumps({"message": said, "timestamp": int(time.time())})
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(record)
+        exit_worker(1)
+
+    others = every_rank and os.environ.get("LOCAL_RANK", "0") != "0"
+    if tell and not others:
+        print(message, file=sys.stderr)
+    if others:
+        stop = "stopped: local rank 0 failed first, with the same mistake (the root cause)"
+        signal.signal(signal.SIGTERM, lambda *_: fail(stop))
+        time.sleep(5.0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    fail(message)
+
+
+def refuse_command_line(message: str) -> NoReturn:
+    """Exit 1 on a mistake on the command line, which every rank makes alike: under torchrun told
+    once per machine and quoted by torchrun's report, else said as sys.exit says it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        fail_worker(message, every_rank=True)
+    sys.exit(message if os.environ.get("LOCAL_RANK", "0") == "0" else 1)
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -166,7 +183,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
         _legacy_launcher = True
         os.environ.setdefault("LOCAL_RANK", LEGACY_LOCAL_RANK.fullmatch(legacy[0]).group(1))
     if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.exit(
+        refuse_command_line(
             "Hydra multirun cannot run inside torchrun: every rank would start its own sweep. Run "
             "it without torchrun (each job starts its DDP processes): python train.py -m ..."
         )
@@ -192,7 +209,8 @@ def legacy_launcher_used() -> bool:
 
 
 def check_port_free(init_method: str) -> None:
-    """Refuse a taken rendezvous port (another run's) before init_process_group's traceback does."""
+    """Refuse a taken rendezvous port (another run's, or torchrun's own) before
+    init_process_group's traceback does."""
     url = urlsplit(init_method)
     env = url.scheme == "env"
     port = int(os.environ["MASTER_PORT"]) if env else url.port
@@ -203,6 +221,12 @@ def check_port_free(init_method: str) -> None:
         try:
             probe.bind(("", port))
         except OSError:
+            if under_torchrun() and str(port) == os.environ.get("MASTER_PORT"):
+                raise UserError(
+                    f"Port {port} of parallel.init_method={init_method} is torchrun's own "
+                    "rendezvous (--master_port): under torchrun leave parallel.init_method=env://, "
+                    "which joins it."
+                ) from None
             where = f"{init_method}, MASTER_PORT" if env else f"parallel.init_method={init_method}"
             pick = ", or torchrun --standalone" if env else " in it, or parallel.init_method=env://"
             raise UserError(
