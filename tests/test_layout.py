@@ -1,16 +1,18 @@
 """The layout of docs/layout.md holds: the engine's layers (each module imports only from the
 layers below its own), no two modules importing each other (annotations included), the core's
-short argument lists, and the config ending at the top of the run. Read from the source with
-`ast`."""
+short argument lists, and the config ending at the top of the run, read from the source with
+`ast`; and the budgets that count structure, each figure under a ceiling that only goes down: the
+way a real run takes to its first optimizer step (traced), the engine's size, the strategy
+protocol and the hooks' points (tests/structure.py counts them)."""
 
 import ast
-import functools
-import io
-import tokenize
+import json
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+import structure
+from conftest import REPO, defaults_for_tests, make_dataset, offline_env, ok, run, run_train_py_here
 
 SRC = REPO / "src"
 ENGINE = SRC / "engine"
@@ -171,121 +173,68 @@ def test_the_config_ends_at_the_top_of_the_run():
     assert readers <= READS_THE_CONFIG, f"{sorted(readers - READS_THE_CONFIG)} read the config"
 
 
-# What a reader follows to one optimizer step: the call stack at `optimizer.step()` (app.py's job,
-# which train.py's main runs → run.train → fit → train_epoch → train_step), and each function of the
-# engine that the loop's three call on the way there, before the first step (a property read counts;
-# a Protocol's `...` does not: the fork's task is what runs). The set-up train() calls before fit
-# (building the model, the data, the parts) is read when a reader wants it. It counts code lines:
-# a docstring, a comment or a blank line is none (they help the reader; never trim one to fit).
-STACK = [
-    ("src/engine/app.py", "job", "train"),
-    ("src/engine/run.py", "train", "fit"),
-    ("src/engine/core/loop.py", "fit", "train_epoch"),
-    ("src/engine/core/loop.py", "train_epoch", "train_step"),
-    ("src/engine/core/loop.py", "train_step", "step"),  # scaler.step(optimizer)
-]
-# The classes the loop holds (run, its hooks, strategy, data and trainer; the training state):
-# where a method's name is defined in several classes, theirs is the one the loop calls.
-HELD = (
-    "Run",
-    "Hooks",
-    "Strategy",
-    "Data",
-    "Trainer",
-    "Progress",
-    "Schedule",
-    "Best",
-    "Checkpointer",
-)
+# Budgets that count structure (docs/layout.md, "The way to `optimizer.step()`"; issue 57): each
+# figure as measured on 2026-12-07 is its ceiling, which may only go down (lower it as the engine
+# meets its target, written beside it). What the run counts: tests/structure.py.
+LOOP_FILES = 10  # the loop's way to the first step, parallel=none: target 8 files
+LOOP_FILES_DDP = 11  # the same, parallel=ddp on 2 processes: target 9 files
+MAIN_FILES, MAIN_FUNCTIONS = 27, 163  # main to the first step, set-up included: target 18, 120
+ENGINE_LINES = 4103  # src/engine/'s code lines, refusals and log calls left out: target 3,400
+SRC_LINES = 7273  # src/**/*.py, every line (wc -l): target 6,268
+STRATEGY_MEMBERS = 23  # the public names Strategy declares: target 12
+LONE_POINTS = 3  # the hooks' points with a single implementer: target 0
+# A run that reaches its first step fast, on tiny data of its own: a first run's way (the splits
+# decoded, and cached beside them) every time. No wandb: its start waits on a timeout.
+TRACED = ["logger=none", "trainer.max_steps=1"]
 
 
-def definitions() -> dict[str, list[tuple[str, str, ast.FunctionDef]]]:
-    """Every function and method of train.py and src/, by name: (file, class or "", node)."""
-    found: dict[str, list] = {}
-    for path in [REPO / "train.py", *MODULES.values()]:
-        for node in ast.parse(path.read_text()).body:
-            owned = [(n, node.name) for n in node.body] if isinstance(node, ast.ClassDef) else []
-            for n, owner in owned or [(node, "")]:
-                if isinstance(n, ast.FunctionDef):
-                    found.setdefault(n.name, []).append((str(path.relative_to(REPO)), owner, n))
-    return found
+def traced(tmp_path: Path, nproc: int | None = None, *overrides: str) -> dict:
+    """The figures of the ways to the first optimizer step of train.py with `overrides`, traced
+    in this process (parallel=none) or, with `nproc`, in torchrun's rank 0."""
+    out, data = tmp_path / "structure.json", make_dataset(tmp_path / "data")
+    args = [f"data.root={data}", *TRACED, *overrides, *defaults_for_tests(list(overrides))]
+    command = [sys.executable, str(REPO / "train.py"), *args, f"paths.log_dir={tmp_path}/outputs"]
+    if nproc is None:  # here whatever TESTS_IN_SUBPROCESSES says: the tracer is this process's
+        with structure.traced(out):
+            ok(run_train_py_here(command, tmp_path, offline_env()))
+    else:  # tests/structure.py runs train.py in each worker, traced
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        script = [*launcher, str(REPO / "tests/structure.py"), str(out)]
+        ok(run([sys.executable, *script, *command[1:]], tmp_path))
+    assert out.exists(), "the run made no optimizer step"
+    return json.loads(out.read_text())
 
 
-def before(node: ast.AST, callee: str) -> tuple[list[ast.AST], bool]:
-    """What `node`'s body runs up to its call of `callee`, in order (a compound statement's head,
-    then its body), and whether that call was reached."""
-    taken = []
-    for statement in getattr(node, "body", []):
-        compound = isinstance(getattr(statement, "body", None), list)
-        heads = [v for k, v in ast.iter_fields(statement) if k not in ("body", "orelse")]
-        for head in heads:  # a loop's target and iterator, a with's context managers, an if's test
-            taken += [
-                h for h in (head if isinstance(head, list) else [head]) if isinstance(h, ast.AST)
-            ]
-        if not compound:
-            taken.append(statement)
-        calls = [c for c in ast.walk(statement) if isinstance(c, ast.Call)]
-        if any(getattr(c.func, "id", getattr(c.func, "attr", None)) == callee for c in calls):
-            taken += before(statement, callee)[0] if compound else []
-            return taken, True
-        exits = compound and isinstance(statement.body[-1], ast.Return | ast.Raise)
-        if compound and not exits:  # an early exit (nothing left to train) is no way to a step
-            taken += before(statement, callee)[0]
-    return taken, False
+def shown(way: dict) -> str:
+    """A way's figures and the functions it entered, file by file."""
+    files = "\n".join(f"  {f}: {', '.join(names)}" for f, names in way["by_file"].items())
+    return f"{way['files']} files, {way['functions']} functions, {way['lines']} lines:\n{files}"
 
 
-def lines(file: str, node: ast.FunctionDef) -> int:
-    """The code lines of a function, its decorators included."""
-    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    return len([n for n in code_lines(file) if first <= n <= node.end_lineno])
+def test_the_way_to_the_first_optimizer_step_reads_in_a_few_files(tmp_path):
+    ways = traced(tmp_path)
+    loop, main = ways["loop"], ways["main"]
+    assert "src/engine/core/loop.py" in loop["by_file"], shown(loop)  # the tracer saw the loop
+    assert loop["files"] <= LOOP_FILES, shown(loop)
+    assert main["files"] <= MAIN_FILES and main["functions"] <= MAIN_FUNCTIONS, shown(main)
 
 
-@functools.cache
-def code_lines(file: str) -> frozenset[int]:
-    """The lines of `file` (from the repository root) with code on them: not blank, not only a
-    comment, no line of a docstring (a module's, a class's or a function's first string)."""
-    source = (REPO / file).read_text()
-    docstrings = set()
-    for node in ast.walk(ast.parse(source)):
-        documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
-        if isinstance(node, documented) and ast.get_docstring(node) is not None:
-            docstrings.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
-    no_code = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
-    code = set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in (*no_code, tokenize.ENDMARKER):
-            code.update(range(token.start[0], token.end[0] + 1))
-    return frozenset(code - docstrings)
+@pytest.mark.slow
+def test_the_way_to_the_first_optimizer_step_under_ddp_reads_in_a_few_files(tmp_path):
+    loop = traced(tmp_path, 2, "parallel=ddp")["loop"]
+    assert "src/engine/core/loop.py" in loop["by_file"], shown(loop)
+    assert loop["files"] <= LOOP_FILES_DDP, shown(loop)
 
 
 @pytest.mark.unit
-def test_the_way_to_an_optimizer_step_reads_in_a_few_files():
-    found = definitions()
-    followed = {}
-    for file, name, callee in STACK:
-        (node,) = [n for f, _, n in found[name] if f == file]
-        followed[(file, name)] = node
-        if not file.endswith("loop.py"):
-            continue
-        for statement in before(node, callee)[0]:
-            for sub in ast.walk(statement):
-                if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name):
-                    used, kind = sub.func.id, "function"
-                elif isinstance(sub, ast.Call):
-                    used, kind = getattr(sub.func, "attr", None), "method"
-                elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Load):
-                    used, kind = sub.attr, "property"
-                else:
-                    continue
-                for f, owner, n in found.get(used, []):
-                    decorators = [getattr(d, "id", None) for d in n.decorator_list]
-                    stub = len(n.body) == 1 and isinstance(n.body[0], ast.Expr)  # a Protocol's ...
-                    if stub or ("property" in decorators) != (kind == "property"):
-                        continue
-                    if (kind == "function") == (not owner) and (not owner or owner in HELD):
-                        followed.setdefault((f, f"{owner}.{n.name}" if owner else n.name), n)
-                        break
-    total = sum(lines(f, n) for (f, _), n in followed.items())
-    files = sorted({f for f, _ in followed})
-    shown = "\n".join(f"{lines(f, n):4d} {f}:{name}" for (f, name), n in sorted(followed.items()))
-    assert total <= 200 and len(files) <= 6, f"{total} lines over {len(files)} files:\n{shown}"
+def test_the_engine_stays_within_its_size():
+    assert (lines := structure.engine_lines()) <= ENGINE_LINES, f"src/engine/: {lines} code lines"
+    assert (lines := structure.src_lines()) <= SRC_LINES, f"src/: {lines} lines"
+
+
+@pytest.mark.unit
+def test_the_strategy_protocol_and_the_hooks_stay_small():
+    members = structure.strategy_members()
+    assert len(members) <= STRATEGY_MEMBERS, members
+    lone = {point: by for point, by in structure.hook_points().items() if len(by) < 2}  # 1 or 0
+    assert len(lone) <= LONE_POINTS, lone
