@@ -234,11 +234,12 @@ class IDX(FixedSize):
                 f"{image_path}: the two files do not belong together."
             )
         known = KNOWN_IDX.get(hashlib.sha256(labels.numpy().tobytes()).hexdigest()[:16])
-        if known and known[0] != self.torchvision_class:  # would train, on the wrong statistics
+        asked = self.torchvision_class.rsplit(".", 1)[-1]  # torchvision.datasets.MNIST: MNIST
+        if known and known[0] != asked:  # it would train, on the wrong statistics
             raise UserError(
-                f"{folder} holds {known[0]}'s IDX files, not {self.torchvision_class}'s "
-                f"({label_path.name} is {known[0]}'s). Train on them with data={known[1]} "
-                f"data.root={self.root}, or point data.root at {self.torchvision_class}'s files."
+                f"{folder} holds {known[0]}'s IDX files, not {asked}'s ({label_path.name} is "
+                f"{known[0]}'s). Train on them with data={known[1]} data.root={folder}, or point "
+                f"data.root at {asked}'s files."
             )
         return Tensors(images.unsqueeze(1), labels.long())  # N×1×28×28: channels first
 

@@ -668,21 +668,27 @@ def test_a_resume_stops_before_training_where_its_best_pt_cannot_be_used(
             f"to resume from {last_pt} (the best so far then starts afresh), or give resume= "
             "another checkpoint."
         ) in printed(result), printed(result)
-        assert "epoch 2" not in printed(result) and "Training ended" not in printed(result)
+        assert "val acc" not in printed(result) and "Training ended" not in printed(result)
         assert files(run_dir) == records
         if nproc:
             return  # the rest does not depend on the ranks
+    # A run whose test takes the last weights reads no best.pt: it trains (and rewrites best.pt
+    # when an epoch validates better), as it did.
+    ok(train([*overrides, "trainer.test_weights=last", "trainer.epochs=1"], tmp_path))
     best.unlink()
     result = ok(train(overrides, tmp_path))
     assert "but no best.pt lies beside it: the best so far starts afresh" in printed(result)
     assert last(run_dir)["progress"]["step"] == 8
 
 
-def test_evaluating_a_bare_state_dict_says_it_records_no_training(tmp_path, tiny_data, saved):
-    """train=false ckpt_path=<torch.save(model.state_dict())>: the test line names the file's
-    weights, not "the weights after epoch 0 (step 0)" as if untrained ones were tested."""
+@pytest.mark.parametrize("kind", ["state dict", "tutorial dict"])
+def test_evaluating_a_bare_state_dict_says_it_records_no_training(tmp_path, tiny_data, saved, kind):
+    """train=false ckpt_path=<torch.save(model.state_dict())>, or a tutorial's {"model": ...,
+    "epoch": 5} (an epoch, no step): the test line names the file's weights, not "the weights
+    after epoch 0 (step 0)" as if untrained ones were tested."""
     path = tmp_path / "sd.pt"
-    torch.save(load(saved)["model"], path)
+    weights = load(saved)["model"]
+    torch.save(weights if kind == "state dict" else {"model": weights, "epoch": 5}, path)
     before = path.read_bytes()
     overrides = [f"data.root={tiny_data}", "logger=none", "train=false", f"ckpt_path={path}",
                  f"hydra.run.dir={tmp_path / 'eval'}"]  # fmt: skip

@@ -289,6 +289,8 @@ def build_parts(
             parts |= {"callbacks": hook} if hook.stateful else {}
     metadata = {"config": run.settings.config, "wandb_id": None}  # the run's, once it begins
     saver = Checkpointer(policy, run.run_dir, process, strategy, parts, metadata, resumed)
+    if resumed and run.trainer.test_weights == "best":  # the test loads the best.pt it names
+        saver.check_best(*resumed)
     return Parts(model, optimizer, schedule, scaler), progress, saver
 
 

@@ -37,7 +37,13 @@ PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a trainin
 SHARDS, SHARDED = "shards", ("model", "optimizer")
 # How a file torch.save wrote begins: a zip archive, or (its format before PyTorch 1.6) a pickle
 # of torch's magic number.
-ZIP, LEGACY = b"PK\x03\x04", torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+# How torch.save's files begin: a zip archive, or the older format's magic number (pickled as
+# binary by protocol 2 and later, as text by protocols 0 and 1).
+ZIP = b"PK\x03\x04"
+LEGACY = (
+    torch.serialization.MAGIC_NUMBER.to_bytes(10, "little"),
+    b"%d" % torch.serialization.MAGIC_NUMBER,
+)
 # What a checkpoint in shards is refused with, outside parallel=fsdp: why, then what to do.
 IN_SHARDS = ("holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp reads, "
              "with any number of processes", ": add parallel=fsdp.")  # fmt: skip
@@ -229,7 +235,6 @@ class Checkpointer:
         self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
         if resumed:  # the model's weights were loaded as it was built
             path, state = resumed
-            self._check_best(path, state["progress"].get("best"))
             load_parts({k: v for k, v in parts.items() if k != "model"}, state)
             if shards := state.get(SHARDS):  # checkpoint.sharded=true: each rank its own
                 optimizer = parts["optimizer"]
@@ -322,10 +327,11 @@ class Checkpointer:
                 raise self.stopped(fault, step)
         return shards
 
-    def _check_best(self, path: Path, best: dict | None) -> None:
-        """Stop before training where the best.pt that the resumed checkpoint (at `path`) records
-        its `best` epoch in cannot be used: the test would load it after training. Read here and
-        again for the test, not kept in memory through training meanwhile."""
+    def check_best(self, path: Path, state: dict) -> None:
+        """Stop before training where the best.pt that the resumed checkpoint (`path`, `state`)
+        records its best epoch in cannot be used, which the test would load after training. Read
+        here and again for the test, not kept in memory through training meanwhile."""
+        best = state["progress"].get("best")
         if not best or best["epoch"] is None:  # no validation, or no best.pt beside (told)
             return
         source, error = _best_pts(path, self.run_dir)[0], None
@@ -352,7 +358,7 @@ class Checkpointer:
             except UserError as err:
                 error = str(err)
         if error := storage.agree(process, error):
-            raise UserError(error)
+            raise UserError(error, every_rank=True)
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
             self.strategy.load_shards(model, Path(shards))
         else:
@@ -502,9 +508,14 @@ def _read(path: Path, weights_only: bool = False) -> Any:
     UserError; any other file (a plain pickle, text) is refused before it is unpickled."""
     if not path.is_file():
         raise Unusable(path, "does not exist", f": check the path (relative to {Path.cwd()}).")
-    with open(path, "rb") as file:
-        head = file.read(32)
-    if head and not (head.startswith(ZIP) or LEGACY in head):
+    try:
+        with open(path, "rb") as file:
+            head = file.read(32)
+    except OSError as err:
+        raise Unusable(
+            path, f"cannot be read ({err.strerror})", ": check its permissions."
+        ) from None
+    if head and not (head.startswith(ZIP) or any(magic in head for magic in LEGACY)):
         raise Unusable(
             path,
             "is not a file torch.save wrote (neither a zip archive nor torch's older format)",

@@ -440,16 +440,16 @@ def run_name(task_name: str) -> str:
         words.append(f"#{hydra.job.num}")
         keys = swept(hydra.sweeper.get("params") or {})
         overrides.sort(key=lambda override: override.split("=", 1)[0] not in keys)  # stable
-    name = " ".join(words + overrides)
-    return name if len(name) <= 128 else name[:127] + "…"
+    return cut(" ".join(words + overrides))
 
 
 def swept(params: dict[str, str]) -> set[str]:
     """The keys a sweep varies, which a job's config does not record: its sweeper's `params`
     (Optuna's search space) and the command line's sweeps (a=1,2), which a job in a process of its
     own (submitit's) does not see."""
-    keys, args = set(params), get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
-    with suppress(OverrideParseException):  # not Hydra's command line: a job's own process
+    keys = set(params)
+    with suppress(OverrideParseException, SystemExit):  # not Hydra's: a job's own process
+        args = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides  # argparse may exit
         parsed = OverridesParser.create().parse_overrides(args)
         keys |= {override.get_key_element() for override in parsed if override.is_sweep_override()}
     return keys
@@ -463,7 +463,12 @@ def sweep_group(task_name: str, log_dir: str) -> str | None:
     sweep = Path(HydraConfig.get().sweep.dir).absolute()
     with suppress(ValueError):  # named from where the run folders go, where it is there
         sweep = sweep.relative_to(Path(log_dir).absolute())
-    return f"{task_name} {sweep}"[:128]
+    return cut(f"{task_name} {sweep}")
+
+
+def cut(name: str) -> str:
+    """A wandb name or group of at most 128 characters, cut from its end (the least telling)."""
+    return name if len(name) <= 128 else name[:127] + "…"
 
 
 RESOLVERS = {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}

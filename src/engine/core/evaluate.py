@@ -42,7 +42,10 @@ def evaluate_and_log(
 def evaluate_weights(run: Run, model: nn.Module, weights: tuple) -> tuple[Fitted, float | None]:
     """train=false: the checkpoint's weights on the validation split, if there is one."""
     path, saved = weights[0], weights[1].get("progress")
-    fitted = Fitted(saved["epoch"], saved["step"], None) if saved else Fitted(0, 0, None, str(path))
+    recorded = saved and "step" in saved  # a file of its own may hold an epoch alone
+    fitted = (
+        Fitted(saved["epoch"], saved["step"], None) if recorded else Fitted(0, 0, None, str(path))
+    )
     if not run.data.size("val"):
         return fitted, None
     at = {"step": fitted.step, "epoch": fitted.epoch}

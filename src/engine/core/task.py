@@ -103,15 +103,15 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         if check := getattr(task, "check", None):
             check(outputs, inputs, targets)
         loss = task.loss(outputs, inputs, targets)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError) as err:
         if torch.is_tensor(outputs):  # a bug in the task: its traceback
             raise
-        raise UserError(
+        raise UserError(  # the task's own error kept as the cause (HYDRA_FULL_ERROR=1 shows it)
             f"model={name} returns {described(outputs)}, and the task ({type(task).__name__}) "
             f"takes {getattr(task, 'takes', 'one tensor')}: return that alone from the model's "
             "forward, or use a task that takes its output.",
             every_rank=True,
-        ) from None
+        ) from err
     if not (torch.is_tensor(loss) and loss.ndim == 0):
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         raise UserError(
@@ -133,7 +133,7 @@ def described(outputs: Any) -> str:
         return f"a dict ({', '.join(f'{key}: {one(v)}' for key, v in outputs.items())})"
     if isinstance(outputs, (tuple, list)):
         return f"a {type(outputs).__name__} ({', '.join(map(one, outputs))})"
-    return f"a {type(outputs).__name__}"
+    return "None" if outputs is None else f"a {type(outputs).__name__}"
 
 
 def place(task: Task, device: torch.device) -> None:
