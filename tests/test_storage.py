@@ -143,6 +143,25 @@ def test_a_refused_write_leaves_the_old_file_whole_and_nothing_partial(tmp_path)
     assert storage.Fault.of(refused.value) == (str(path), errno.EFBIG, "File too large", True)
 
 
+def test_a_save_removes_the_partial_files_a_killed_writer_left_of_its_name(tmp_path):
+    """A writer killed mid-write leaves its partial file: the next save of that name removes it,
+    and leaves those still being written (a living process's, another host's) and other names'."""
+    killed = subprocess.Popen(["true"])
+    killed.wait()  # its process id is free: the writer is gone
+    host = socket.gethostname()
+    left = tmp_path / f".last.pt.{host}.{killed.pid}.partial"
+    kept = [
+        tmp_path / f".last.pt.{host}.{os.getppid()}.partial",  # pytest's parent, running
+        tmp_path / f".last.pt.another-host.{killed.pid}.partial",
+        tmp_path / f".best.pt.{host}.{killed.pid}.partial",
+    ]
+    for path in [left, *kept]:
+        path.write_bytes(b"half")
+    storage.write_atomically(tmp_path / "last.pt", lambda file: file.write(b"whole"))
+    assert sorted(partial_files(tmp_path)) == sorted(kept)
+    assert (tmp_path / "last.pt").read_bytes() == b"whole"
+
+
 @pytest.mark.unit
 def test_a_refused_metrics_line_is_taken_back_whole(tmp_path):
     logger = MetricsLogger(tmp_path)
@@ -399,10 +418,10 @@ def test_a_run_folder_moved_during_the_run_stops_and_resumes_from_its_new_place(
 def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lock_taken_over(
     start, tmp_path, tiny_data
 ):
-    """A run holds its folder (run.lock: its process id and host) until it ends. A second run
-    into it while the first trains, alone or as a DDP group, is refused with one sentence naming
-    the holder, on every rank, and writes nothing there; a run SIGKILLed leaves its lock, which
-    the next run into the folder takes over (its holder is gone), and removes when it ends."""
+    """A run holds its folder (run.lock: a kernel lock, and its process id and host) until it
+    ends. A second run into it while the first trains, alone or as a DDP group, is refused with
+    one sentence naming the holder, on every rank, and writes nothing there; a run SIGKILLed
+    leaves its file, whose lock died with it: the next run into the folder takes it at once."""
     run_dir, host = tmp_path / "run", socket.gethostname()
     overrides = [f"data.root={tiny_data}", f"hydra.run.dir={run_dir}"]
     # Killed below, long before its 1,000 epochs end, however fast this machine trains.
@@ -411,7 +430,7 @@ def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lo
     )
     lock = run_dir / storage.LOCK
     wait_for(lambda: (run_dir / "config_resolved.yaml").exists(), first)
-    assert json.loads(lock.read_text()) == {"pid": first.pid, "host": host, "torchrun_job": None}
+    assert json.loads(lock.read_text()) == {"pid": first.pid, "host": host}
     config = (run_dir / "config_resolved.yaml").read_bytes()
     refused = (
         f"{run_dir} is in use by another run (process {first.pid} on {host}): give this run a "
@@ -434,16 +453,10 @@ def test_one_run_per_folder_a_second_is_refused_on_every_rank_and_a_dead_runs_lo
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     assert json.loads(lock.read_text())["pid"] == first.pid  # left behind
-    # The same command again, to fewer steps than its last.pt holds: it takes the folder over,
-    # has nothing left to train, and tests the weights.
-    result = ok(
-        train([*overrides, *RUN, "data.batch_size=8", "trainer.epochs=1000", "trainer.max_steps=1"],
-              tmp_path / "third")
-    )  # fmt: skip
-    assert (
-        f"{lock} was left by a run that ended without removing it (process {first.pid} on "
-        f"{host}): this run takes the folder over" in printed(result)
-    )
+    # The same command again, to fewer steps than its last.pt holds: it takes the folder, has
+    # nothing left to train, and tests the weights.
+    ok(train([*overrides, *RUN, "data.batch_size=8", "trainer.epochs=1000", "trainer.max_steps=1"],
+             tmp_path / "third"))  # fmt: skip
     assert not lock.exists() and (run_dir / "metrics.jsonl").exists()
 
 
@@ -466,6 +479,43 @@ def test_a_run_folder_that_cannot_be_made_or_written_is_named(tmp_path, small_di
         f"{small_disk}. Choose a folder you can write to (hydra.run.dir=...), or make that one "
         "writable."
     )
+
+
+def test_a_full_disk_before_the_run_begins_is_one_sentence_and_leaves_the_folder_as_it_was(
+    tmp_path, tiny_data, small_disk
+):
+    """Hydra's .hydra/ files, or the run's lock, refused by a full disk: one sentence, not Hydra's
+    traceback and an empty config.yaml; a new folder is not left behind, an earlier run's is as
+    it was."""
+    earlier = small_disk / "earlier"
+    (earlier / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml", "../train.log"):
+        (earlier / ".hydra" / name).write_text(f"an earlier run's {name}\n")
+    records = files(earlier)
+
+    def fill(filler):
+        with pytest.raises(OSError):
+            while True:
+                filler.write(b"x" * 4096)
+
+    def refused(run_dir, file):
+        result = train([f"data.root={tiny_data}", "logger=none", f"hydra.run.dir={run_dir}"],
+                       tmp_path)  # fmt: skip
+        assert result.returncode == 1 and printed(result).strip() == (
+            f"{run_dir} cannot hold the run's files: the disk is full (No space left on device) "
+            f"writing {file}, and nothing of this run is left there. Free space on that disk, or "
+            "give the run a folder on another disk (hydra.run.dir=...)."
+        ), printed(result)
+
+    with open(small_disk / "filler", "wb", buffering=0) as filler:
+        fill(filler)
+        filler.truncate(filler.tell() // 4096 * 4096 - 4096)  # a page left: the lock's, no more
+        for run_dir in (small_disk / "run", earlier):
+            refused(run_dir, ".hydra/config.yaml")
+        fill(filler)
+        refused(small_disk / "run", "run.lock")
+    assert sorted(small_disk.iterdir()) == [earlier, small_disk / "filler"]
+    assert files(earlier) == records and not partial_files(small_disk)
 
 
 def test_a_file_as_the_run_folder_stops_the_run_with_one_sentence(tmp_path, tiny_data):

@@ -44,6 +44,8 @@ def train(
                 storage.refuse_records(run_dir, process)
             with storage.held(run_dir, process):  # one run per folder
                 resumed, weights = checkpoint.starting_point(settings, run_dir, process)
+                if settings.train and not resumed:  # a new run: no earlier one's records lost
+                    storage.refuse_fresh_start(run_dir, process)
                 run = build_run(cfg, settings, process, run_dir)  # the data, checked
                 model = build_model(cfg, run, weights)
                 if settings.train:

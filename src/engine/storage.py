@@ -4,10 +4,11 @@ ranks stop with one message naming the file, the intact checkpoint and the comma
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
-import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -16,6 +17,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from filelock import FileLock, Timeout
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -32,7 +34,9 @@ FULL = {  # what each refusal means, and what to do about it before resuming
 DENIED = "permission is denied"
 READ_ONLY = {errno.EROFS: "the file system is read-only", errno.EACCES: DENIED, errno.EPERM: DENIED}
 GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
-LOCK = "run.lock"  # in the run folder while a run holds it: its process id and host
+LOCK = "run.lock"  # in the run folder while a run holds it (a kernel lock): its process id, host
+HOLDS, REFUSED = "TRAIN_HOLDS", "TRAIN_REFUSED"  # the run folder held, or refused, in this run
+_locks: dict[str, FileLock] = {}  # the run folders this process holds
 KEPT = "TRAIN_KEPT"  # names the file of what a run folder held before Hydra wrote in it
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # in its hydra.output_subdir
 
@@ -62,6 +66,7 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     partial, folder = f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial", None
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        remove_stale_partials(folder, path.name)
         with open(partial, "wb", opener=lambda p, f: os.open(p, f, 0o666, dir_fd=folder)) as file:
             write(file)
             file.flush()
@@ -80,6 +85,27 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             with suppress(OSError):  # a failed write's partial file (renamed, if it succeeded)
                 os.unlink(partial, dir_fd=folder)
             os.close(folder)
+
+
+def remove_stale_partials(folder: int, name: str) -> None:
+    """Remove the partial files of `name` in `folder` (a descriptor) that a writer killed mid-write
+    left: its process gone from this host. Another host's, or a living writer's, stay."""
+    stale = re.compile(rf"\.{re.escape(name)}\.{re.escape(socket.gethostname())}\.(\d+)\.partial")
+    for entry in os.listdir(folder):
+        if (match := stale.fullmatch(entry)) and not alive(int(match[1])):
+            with suppress(OSError):  # removed meanwhile by another run's save
+                os.unlink(entry, dir_fd=folder)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def copy_atomically(source: Path, target: Path) -> None:
@@ -131,15 +157,7 @@ def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -
             "start again."
         )
     intact = f"{last} from step {kept[1]} is intact" if kept else None
-    if fault.errno in FULL:
-        reason, fix = FULL[fault.errno]
-    elif fault.errno in READ_ONLY:
-        reason, fix = READ_ONLY[fault.errno], f"Make {path.parent} writable"
-    elif fault.errno in GONE:
-        reason = "it was deleted during the run" if fault.folder_exists else "its folder is gone"
-        fix = f"Make sure nothing else deletes files in {run_dir}"
-    else:
-        reason, fix = "the storage reported an error", f"Check the disk of {path.parent}"
+    reason, fix = reason_and_fix(fault, run_dir)
     newer = kept and kept[0].name != "last.pt"  # best.pt, written before its copy was refused
     fix += f", then run the same command with hydra.run.dir={run_dir}"
     fix += f" resume={kept[0]} to resume" if newer else " to resume" if kept else " to start again"
@@ -149,6 +167,18 @@ def stopped(fault: Fault, run_dir: Path, step: int | None, kept: tuple | None) -
         f"Stopped{at}: {fault.path} could not be written: {reason} ({fault.strerror}). "
         f"Nothing partial is left, and {intact or 'no checkpoint was written before it'}. {fix}."
     )
+
+
+def reason_and_fix(fault: Fault, run_dir: Path) -> tuple[str, str]:
+    """Why the storage refused the file of `fault`, and what to do before trying again."""
+    if fault.errno in FULL:
+        return FULL[fault.errno]
+    if fault.errno in READ_ONLY:
+        return READ_ONLY[fault.errno], f"Make {Path(fault.path).parent} writable"
+    if fault.errno in GONE:
+        reason = "it was deleted during the run" if fault.folder_exists else "its folder is gone"
+        return reason, f"Make sure nothing else deletes files in {run_dir}"
+    return "the storage reported an error", f"Check the disk of {Path(fault.path).parent}"
 
 
 def refuse_records(run_dir: Path, process: Process) -> None:
@@ -162,73 +192,85 @@ def refuse_records(run_dir: Path, process: Process) -> None:
         )
 
 
+def refuse_fresh_start(run_dir: Path, process: Process) -> None:
+    """Refuse a training run that would start afresh (no last.pt to resume) in the folder of an
+    earlier run, whose checkpoints and metrics it would replace with its own."""
+    refusal = None
+    if process.is_main and (records := records_in(run_dir)):
+        best = run_dir / "checkpoints" / "best.pt"
+        ways = f"run the same command with resume={best} to continue from its best epoch, or "
+        refusal = (
+            f"{run_dir} holds an earlier run's {' and '.join(records)} but no checkpoints/last.pt "
+            f"to resume from, which a new run would replace: {ways if best.exists() else ''}"
+            "give this run a folder of its own (hydra.run.dir=...)."
+        )
+    if refusal := process.broadcast_object(refusal):
+        raise UserError(refusal)
+
+
+def records_in(folder: Path) -> list[str]:
+    """What of an earlier run `folder` holds that a new run would replace: its checkpoints, and the
+    metrics of a run that ended (one stopped before its first checkpoint may start again)."""
+    held = sorted(str(p.relative_to(folder)) for p in folder.glob("checkpoints/[!.]*"))
+    with suppress(OSError), open(folder / "metrics.jsonl") as metrics:
+        if any('"test/' in line for line in metrics):  # its test: it ended
+            held.append("metrics.jsonl")
+    return held
+
+
 @contextmanager
 def held(run_dir: Path, process: Process) -> Iterator[None]:
-    """Hold the run folder (rank 0's `run.lock`, removed however the run ends): a living run's lock
-    refuses it on every rank; a dead run's (SIGKILL) or an earlier torchrun attempt's is taken."""
-    lock, me, refusal = run_dir / LOCK, holder_of_lock(), None
-    if process.is_main:
+    """Hold the run folder for the run (rank 0's lock, taken before Hydra wrote there, else here;
+    a self-launched worker's by the process that started it): refused on every rank where another
+    run holds it."""
+    refusal = None
+    if process.is_main and os.environ.get(HOLDS) != str(run_dir):  # not held before Hydra ran
         try:
-            refusal = _take(lock, me)
+            refusal = os.environ.get(REFUSED) or take(run_dir)
         except OSError as err:
-            refusal = str(stopped(Fault.of(err, lock), run_dir, None, None))
+            refusal = str(stopped(Fault.of(err, run_dir / LOCK), run_dir, None, None))
     if refusal := process.broadcast_object(refusal):
         raise UserError(refusal)
     try:
         yield
     finally:
-        if process.is_main:
-            with suppress(OSError):
-                if json.loads(lock.read_text()) == me:
-                    lock.unlink()
+        let_go(run_dir)
 
 
-def holder_of_lock() -> dict:
-    """What this process writes into `run.lock`: its id, host, torchrun job (same on restarts)."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    return {"pid": os.getpid(), "host": socket.gethostname(), "torchrun_job": job}
-
-
-def _take(path: Path, me: dict) -> str | None:
-    """Create the lock `path` as `me`; None if taken, else the sentence refusing the folder."""
-    for _ in range(3):  # a stale lock removed, then created again (another run may win the race)
-        try:
-            with open(path, "x", opener=lambda p, f: os.open(p, f, 0o644)) as file:
-                json.dump(me, file)
-            return None
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text())
-            except (OSError, ValueError):  # removed meanwhile, or being written: look again
-                continue
-        if refusal := in_use(path, holder, me):
-            return refusal
-        logging.getLogger(__name__).warning(
-            f"{path} was left by a run that ended without removing it (process "
-            f"{holder.get('pid')} on {holder.get('host')}): this run takes the folder over"
+def take(folder: Path) -> str | None:
+    """Take `folder`'s lock, a kernel lock that dies with this process, until `let_go`; else the
+    sentence refusing the folder, which the holder's process id and host (in the file) name."""
+    me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+    lock = FileLock(folder / LOCK, on_acquired=lambda fd: os.ftruncate(fd, os.pwrite(fd, me, 0)))
+    existed = (folder / LOCK).exists()
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        holder = {}
+        with suppress(OSError, ValueError):  # being written: unnamed
+            holder = json.loads((folder / LOCK).read_text())
+        return (
+            f"{folder} is in use by another run (process {holder.get('pid')} on "
+            f"{holder.get('host')}): give this run a folder of its own (hydra.run.dir=...), or "
+            f"wait for that one to end. If it is no longer running, delete {folder / LOCK}."
         )
-        path.unlink(missing_ok=True)
-    return f"{path} keeps being taken by other runs: give this run a folder of its own."
+    except OSError as err:  # its holder not written (a full disk): named, the file made removed
+        if not existed:
+            (folder / LOCK).unlink(missing_ok=True)
+        err.filename = str(folder / LOCK)
+        raise
+    _locks[str(folder)] = lock
+    os.environ[HOLDS] = str(folder)  # for the processes this one starts
+    return None
 
 
-def in_use(path: Path, holder: dict, me: dict) -> str | None:
-    """The sentence refusing the folder of the lock `path` that `holder` wrote, if it is alive:
-    not an earlier attempt of this torchrun job, nor a process gone from this machine."""
-    alive = not me["torchrun_job"] or holder.get("torchrun_job") != me["torchrun_job"]
-    if alive and holder.get("host") == me["host"]:
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            alive = False
-        except (PermissionError, KeyError, TypeError, ValueError):
-            pass  # another user's process, or a lock this code did not write
-    if not alive:
-        return None
-    return (
-        f"{path.parent} is in use by another run (process {holder.get('pid')} on "
-        f"{holder.get('host')}): give this run a folder of its own (hydra.run.dir=...), or wait "
-        f"for that one to end. If it is no longer running, delete {path}."
-    )
+def let_go(folder: Path) -> None:
+    """Give `folder`'s lock back, if this process holds it: the file removed first (a run that
+    opened it meanwhile does not get it: filelock checks that the file is still there)."""
+    if lock := _locks.pop(str(folder), None):
+        (folder / LOCK).unlink(missing_ok=True)
+        lock.release()
+        os.environ.pop(HOLDS, None)
 
 
 def trained_in(folder: Path) -> bool:
@@ -263,47 +305,87 @@ def check_run_folder(folder: Path) -> None:
 class RunFolderCheck(Callback):
     """The run folder before Hydra writes in it (conf/config.yaml's hydra.callbacks): checked (Hydra
     turns a callback's exception into a warning and goes on, so a bad folder ends the process
-    here); nothing written there while another run uses it; else its files kept (`keep`) for a run
-    refused before it begins to put back (`restore`)."""
+    here), and held (`take`) before anything is written there: a run refused for another's holding
+    it writes nothing there, so it has nothing to undo. The holder's files are kept (`keep`) for
+    its refusal before it begins to put back (`restore`), and Hydra's `.hydra/` files written
+    first (`write_hydra_files`), so that a full disk is one sentence."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
         if int(os.environ.get("RANK", 0)) > 0:  # a torchrun rank that writes nothing of its own
             return
         try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
-            folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).expanduser().absolute()
+            folder = Path(os.path.abspath(Path(str(OmegaConf.select(config, "hydra.run.dir")))))
             check_run_folder(folder)
         except OmegaConfBaseException:
             return
         except UserError as err:
             raise SystemExit(str(err)) from None  # printed, exit status 1
-        with suppress(OSError, ValueError, AttributeError):  # no lock, or one being written
-            if in_use(folder / LOCK, json.loads((folder / LOCK).read_text()), holder_of_lock()):
+        made = [p for p in (folder, *folder.parents) if not p.exists()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if refusal := take(folder):  # held() refuses it on every rank; nothing written here
+                os.environ[REFUSED] = refusal
                 hydra = config.hydra
-                with read_write(hydra), open_dict(hydra):  # held() refuses it on every rank
+                with read_write(hydra), open_dict(hydra):
                     hydra.output_subdir = None
                     for name, handler in (hydra.job_logging.get("handlers") or {}).items():
                         if "filename" in handler:  # its log, which that run appends to
                             hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
                 return
-        with suppress(OSError, ValueError):  # a .hydra/ file unreadable: not put back
-            keep(folder, config)
+            with suppress(OSError, ValueError):  # a .hydra/ file unreadable: not put back
+                keep(folder, config, made)
+            write_hydra_files(folder, config)
+        except OSError as err:
+            let_go(folder)
+            restore()
+            for path in made:  # where the lock or keep() failed, restore() does not know them
+                with suppress(OSError):
+                    path.rmdir()
+            fault = Fault.of(err)
+            reason, fix = reason_and_fix(fault, folder)
+            raise SystemExit(
+                f"{folder} cannot hold the run's files: {reason} ({fault.strerror}) writing "
+                f"{os.path.relpath(fault.path, folder)}, and nothing of this run is left there. "
+                f"{fix}, or give the run a folder on another disk (hydra.run.dir=...)."
+            ) from None
 
     def on_run_end(self, config, job_return, **kwargs) -> None:  # noqa: ANN001
+        for folder in list(_locks):  # a self-launched run's, held while its workers ran
+            let_go(Path(folder))
+        os.environ.pop(REFUSED, None)
         if job_return.status == JobStatus.COMPLETED:
             admit()
         else:  # refused in this process, as a self-launched run's parent may be
             restore()
 
 
-def keep(folder: Path, config: DictConfig) -> None:
+def write_hydra_files(folder: Path, config: DictConfig) -> None:
+    """Write the `.hydra/` files as Hydra is about to (over them, into the room they hold): a disk
+    without that room refuses them here, not in Hydra, which leaves an empty config.yaml."""
+    if not (subdir := config.hydra.output_subdir):
+        return
+    config = copy.deepcopy(config)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.runtime.output_dir = str(folder)
+    texts = {
+        "config.yaml": OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]),
+        "hydra.yaml": OmegaConf.masked_copy(config, "hydra"),
+        "overrides.yaml": config.hydra.overrides.task,
+    }
+    (folder / subdir).mkdir(parents=True, exist_ok=True)
+    for name, node in texts.items():
+        text = OmegaConf.to_yaml(node).encode()
+        write_atomically(folder / subdir / name, lambda file, text=text: file.write(text))
+
+
+def keep(folder: Path, config: DictConfig, made: list[Path]) -> None:
     """Note what of `folder` Hydra is about to write (its `.hydra/` files, its log) as it stands,
-    in a file named by $TRAIN_KEPT, which the run's processes inherit."""
+    and the folders `made` for it, in a file named by $TRAIN_KEPT, which its processes inherit."""
     subdir, log = config.hydra.output_subdir, f"{config.hydra.job.name}.log"
     names = [f"{subdir}/{name}" for name in HYDRA_FILES] if subdir else []
     files = {n: (folder / n).read_bytes().decode() for n in names if (folder / n).is_file()}
     files |= {n: None for n in names if n not in files}  # none yet: removed
-    made = [folder / subdir] if subdir else []
-    made = [p for p in [*made, folder, *folder.parents] if not p.exists()]
+    made = [p for p in [folder / subdir] if subdir and not p.exists()] + made
     size = (folder / log).stat().st_size if (folder / log).is_file() else None
     kept = {"folder": str(folder), "files": files, "log": [log, size], "made": list(map(str, made))}
     descriptor, path = tempfile.mkstemp(prefix="train-kept-", suffix=".json")
@@ -320,8 +402,10 @@ def admit() -> None:
 
 def restore() -> None:
     """The folder of a run refused before it began (`admit`) as it was (on rank 0): Hydra's files
-    put back, or removed with the folders made for them."""
-    if os.environ.get("RANK", "0") != "0" or not (path := os.environ.pop(KEPT, None)):
+    put back, or removed with the folders made for them, and the folder let go."""
+    if os.environ.get("RANK", "0") != "0" or os.environ.get(HOLDS) not in (None, *_locks):
+        return  # a self-launched worker's: the process that holds the folder puts it back
+    if not (path := os.environ.pop(KEPT, None)):
         return
     with suppress(OSError, ValueError):  # admitted in another process (its workers), or gone
         kept = json.loads(Path(path).read_text())
@@ -337,5 +421,6 @@ def restore() -> None:
             (folder / log).unlink(missing_ok=True)
         else:
             os.truncate(folder / log, size)
+        let_go(folder)
         for made in map(Path, kept["made"]):  # the innermost first; one holding files stays
             made.rmdir()

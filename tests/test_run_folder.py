@@ -1,0 +1,113 @@
+"""A run folder holds one run's records: a new run into the folder of an earlier one, which it would
+start afresh (no last.pt to resume), is refused before any work, and the folder stays as it was."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from conftest import files, ok, printed, read_test, start, train
+from omegaconf import OmegaConf
+
+from src.engine import storage
+from src.engine.errors import UserError
+from src.engine.parallel import Process
+
+RUN = ["logger=none", "trainer.epochs=1"]
+
+
+def finished_without_last_pt(tmp_path: Path, tiny_data: Path) -> tuple[list[str], str]:
+    """The overrides of a finished run, its last.pt gone, and the sentence refusing its folder."""
+    run_dir = tmp_path / "run"
+    common = [f"data.root={tiny_data}", *RUN, f"hydra.run.dir={run_dir}"]
+    ok(train(common, tmp_path))
+    (run_dir / "checkpoints" / "last.pt").unlink()
+    best = run_dir / "checkpoints" / "best.pt"
+    return common, (
+        f"{run_dir} holds an earlier run's checkpoints/best.pt and metrics.jsonl but no "
+        "checkpoints/last.pt to resume from, which a new run would replace: run the same command "
+        f"with resume={best} to continue from its best epoch, or give this run a folder of its "
+        "own (hydra.run.dir=...)."
+    )
+
+
+def test_a_new_run_into_a_finished_runs_folder_without_last_pt_is_refused_and_changes_nothing(
+    tmp_path, tiny_data
+):
+    """last.pt gone (a full disk's stop, a clean-up): a new run there, with another config or the
+    same, would replace best.pt, metrics.jsonl and .hydra/. Refused with the folder byte for byte
+    as it was (train.log too); the resume the sentence names continues from best.pt."""
+    common, refused = finished_without_last_pt(tmp_path, tiny_data)
+    run_dir = tmp_path / "run"
+    records = files(run_dir)
+    for name, overrides in (("other", ["optimizer.lr=0.5"]), ("same", [])):
+        result = train([*common, *overrides], tmp_path / name)
+        assert result.returncode == 1 and refused in printed(result), printed(result)
+        assert "Traceback" not in printed(result), printed(result)
+        assert files(run_dir) == records
+    best = run_dir / "checkpoints" / "best.pt"
+    result = ok(train([*common, "trainer.epochs=2", f"resume={best}"], tmp_path / "resumed"))
+    assert f"Resuming from {best}" in printed(result)
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.unit
+def test_what_counts_as_an_earlier_runs_records(tmp_path):
+    """A run that ended (its test line) without checkpoints (checkpoint.save=false) is refused
+    with a folder of its own as the one way on; one stopped before its first checkpoint (an empty
+    checkpoints/, no test line: its stop told "start again") starts again in its folder."""
+    (tmp_path / "checkpoints").mkdir()
+    lines = [{"step": 3, "train/loss": 2.0}, {"step": 3, "epoch": 1, "val/acc": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    storage.refuse_fresh_start(tmp_path, Process())
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 3, "test/weights_epoch": 1, "test/acc": 0.5}) + "\n")
+    with pytest.raises(UserError) as refused:
+        storage.refuse_fresh_start(tmp_path, Process())
+    assert str(refused.value) == (
+        f"{tmp_path} holds an earlier run's metrics.jsonl but no checkpoints/last.pt to resume "
+        "from, which a new run would replace: give this run a folder of its own "
+        "(hydra.run.dir=...)."
+    )
+
+
+@pytest.mark.slow
+def test_a_new_ddp_run_into_a_finished_runs_folder_is_refused_on_every_rank(tmp_path, tiny_data):
+    common, refused = finished_without_last_pt(tmp_path, tiny_data)
+    records = files(tmp_path / "run")
+    group = train([*common, "parallel=ddp"], tmp_path / "group", nproc=2)
+    assert group.returncode != 0 and refused in printed(group), printed(group)
+    # Each rank stops with it: torchrun's report of the group quotes rank 1's too.
+    assert re.search(r"rank\s+: 1 .*\n.*\n.*\n\s+traceback : " + re.escape(refused), printed(group))
+    assert files(tmp_path / "run") == records
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_into_one_folder_one_trains_and_the_other_changes_nothing(
+    tmp_path, tiny_data
+):
+    """The folder's lock is taken before Hydra writes there: of two runs started into one folder
+    0 to 1 s apart, one trains to its end with every file its own, the other is refused in one
+    sentence naming it and writes nothing there (50 tries; its undo once deleted the winner's
+    .hydra/ and train.log)."""
+    for attempt in range(50):
+        run_dir, runs = tmp_path / f"run{attempt}", []
+        for seed in (1, 2):  # each run's own config: seed=1 or seed=2
+            overrides = [f"data.root={tiny_data}", *RUN, f"seed={seed}", f"hydra.run.dir={run_dir}"]
+            runs.append(start(overrides, tmp_path / f"{attempt}-{seed}"))
+            time.sleep(attempt / 49 if seed == 1 else 0)
+        codes = [run.wait(timeout=300) for run in runs]
+        assert sorted(codes) == [0, 1], (attempt, codes)
+        won = codes.index(0)  # the winner's seed is won + 1, the other's 2 - won
+        said = (tmp_path / f"{attempt}-{2 - won}" / "log").read_text()
+        refused = f"{run_dir} is in use by another run (process {runs[won].pid} on "
+        assert said.count(refused) == 1 and "Traceback" not in said, said
+        assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").seed == won + 1
+        assert f"seed={won + 1}" in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+        log = (run_dir / "train.log").read_text()
+        assert log.count("Run folder:") == 1 and "Training ended" in log, log
+        assert read_test(run_dir) and (run_dir / "checkpoints" / "last.pt").is_file()
+        assert not (run_dir / "run.lock").exists()
