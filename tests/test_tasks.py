@@ -40,9 +40,8 @@ from src.engine.core.context import Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.loop import train_step
 from src.engine.core.state import Parts
-from src.engine.core.task import check_metrics
 from src.engine.errors import UserError
-from src.engine.guards.checks import check_count
+from src.engine.guards.checks import check_count, check_metrics
 from src.engine.parallel import Process
 from src.tasks import Classification, Regression
 

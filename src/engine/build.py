@@ -29,11 +29,11 @@ from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, S
 from src.engine.core.callbacks import Callback, Callbacks
 from src.engine.core.context import Hooks, Run
 from src.engine.core.state import Best, Parts, Progress, Schedule
-from src.engine.core.task import CONTRACT, place, preflight
+from src.engine.core.task import CONTRACT, place
 from src.engine.data import kind
 from src.engine.errors import UserError, first_line, refuse, where
 from src.engine.guards import drift
-from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count
+from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count, preflight
 from src.engine.guards.signals import StopSignals
 from src.engine.logger import MetricsLogger, open_logger
 from src.engine.parallel import PROTOCOL, Process, Strategy
