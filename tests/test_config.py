@@ -743,12 +743,6 @@ def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path, tiny_data):
     # A rate too small to learn anything: failed, exit 1, with the loss reached.
     failed = train([f"data.root={tiny_data}", "debug=overfit", "optimizer.lr=1e-9"], tmp_path)
     assert failed.returncode == 1, printed(failed)
-    # The preset's own keys given another value are said (the tests' data.val_size=50), not
-    # optimizer.lr, which the preset leaves to its optimizer's file.
-    assert "debug=overfit sets data.val_size=0, which the command line's data.val_size=50 " in (
-        printed(failed)
-    )
-    assert "optimizer.lr=1e-9 replace" not in printed(failed)
     failure = r"debug=overfit failed: the training loss is \S+ after 200 steps on 32 samples, not "
     assert re.search(failure + r"below 0.05 \(debug.overfit_below\)", printed(failed))
 
@@ -759,12 +753,6 @@ def test_debug_fast_evaluates_a_few_batches_of_each_split(tmp_path, tiny_data):
     result = ok(train([f"data.root={tiny_data}", "debug=fast", "data.eval_subset=20"], tmp_path))
     said = "Data: 200 training, 20 validation (data.val_size) and 20 test images of 1×28×28 from "
     assert said in printed(result) and "(data.eval_subset=20: the first of each" in printed(result)
-    # A key the preset sets, set again on the command line: allowed, and said before the job.
-    replaced = (
-        "debug=fast sets data.eval_subset=200, which the command line's data.eval_subset=20 "
-        "replaces: the run is debug=fast as you changed it."
-    )
-    assert replaced in printed(result)
 
 
 @pytest.mark.slow
