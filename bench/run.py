@@ -241,7 +241,7 @@ def main() -> None:
         # In turn, so that a machine slowing down or speeding up touches every row alike.
         for repeat in range(1, args.repeats + 1):
             for row in rows:
-                timing = measure(row, args, Path(scratch))
+                timing = measure(row, args, Path(scratch) / f"repeat{repeat}")  # new folders
                 row.setdefault("runs", []).append(timing)
                 print(
                     f"run {repeat}/{args.repeats}: {row['model']:4} {row['processes']} "

@@ -59,18 +59,20 @@ def main() -> None:
 
     out = args.out / datetime.now().strftime("startup-%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True)
-    run = [sys.executable, "train.py", "debug=fast", "data=fashion_mnist",
-           f"data.root={args.root}", f"hydra.run.dir={out / 'run'}", *overrides]  # fmt: skip
+    folders = (out / f"run{n}" for n in range(1 + args.repeats))  # a new run's folder: unused
     commands = {
-        "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-        "the same, and one optimizer built": [sys.executable, "-c", OPTIMIZER],
-        "python train.py debug=fast": run,
-    }
+        "python -c 'import torch'": lambda: [sys.executable, "-c", "import torch"],
+        "the same, and one optimizer built": lambda: [sys.executable, "-c", OPTIMIZER],
+        "python train.py debug=fast": lambda: [
+            sys.executable, "train.py", "debug=fast", "data=fashion_mnist",
+            f"data.root={args.root}", f"hydra.run.dir={next(folders)}", *overrides,
+        ],
+    }  # fmt: skip
     times = {name: [] for name in commands}
-    timed(run)  # a warm-up: the files in the page cache, as in every later round
+    timed(commands["python train.py debug=fast"]())  # a warm-up: the files in the page cache
     for round_ in range(args.repeats):
         for name, command in commands.items():
-            times[name].append(timed(command))
+            times[name].append(timed(command()))
         print(f"round {round_ + 1} of {args.repeats}", flush=True)
 
     rows = [

@@ -111,3 +111,21 @@ def test_two_runs_started_together_into_one_folder_one_trains_and_the_other_chan
         assert log.count("Run folder:") == 1 and "Training ended" in log, log
         assert read_test(run_dir) and (run_dir / "checkpoints" / "last.pt").is_file()
         assert not (run_dir / "run.lock").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("subdir", [".hydra", None])
+def test_what_hydra_writes_is_kept_with_or_without_its_output_subdir(tmp_path, subdir):
+    """keep() notes the folder before Hydra writes in it, hydra.output_subdir=null included (no
+    .hydra/ then), and restore() puts it back: a folder made for the run removed, the log too."""
+    config = OmegaConf.create({"hydra": {"output_subdir": subdir, "job": {"name": "train"}}})
+    folder = tmp_path / "new" / "run"
+    made = [folder, folder.parent]
+    folder.mkdir(parents=True)
+    storage.keep(folder, config, made)
+    (folder / "train.log").write_text("a refused run's line\n")
+    if subdir:
+        (folder / subdir).mkdir()
+        (folder / subdir / "config.yaml").write_text("seed: 1\n")
+    storage.restore()
+    assert not (tmp_path / "new").exists()

@@ -385,7 +385,7 @@ def keep(folder: Path, config: DictConfig, made: list[Path]) -> None:
     names = [f"{subdir}/{name}" for name in HYDRA_FILES] if subdir else []
     files = {n: (folder / n).read_bytes().decode() for n in names if (folder / n).is_file()}
     files |= {n: None for n in names if n not in files}  # none yet: removed
-    made = [p for p in [folder / subdir] if subdir and not p.exists()] + made
+    made = [folder / subdir] + made if subdir and not (folder / subdir).exists() else made
     size = (folder / log).stat().st_size if (folder / log).is_file() else None
     kept = {"folder": str(folder), "files": files, "log": [log, size], "made": list(map(str, made))}
     descriptor, path = tempfile.mkstemp(prefix="train-kept-", suffix=".json")
