@@ -35,8 +35,6 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DataParallel/DDP and torch.
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 # checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
 SHARDS, SHARDED = "shards", ("model", "optimizer")
-# How a file torch.save wrote begins: a zip archive, or (its format before PyTorch 1.6) a pickle
-# of torch's magic number.
 # How torch.save's files begin: a zip archive, or the older format's magic number (pickled as
 # binary by protocol 2 and later, as text by protocols 0 and 1).
 ZIP = b"PK\x03\x04"
