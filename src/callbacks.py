@@ -1,5 +1,5 @@
 """Callbacks the template ships, each named in a file of conf/callbacks/ (`callbacks=ema`). A fork's
-own is a class like these (subclassing `Callback`, src/engine/core/callbacks.py) and a YAML file;
+own is a class like these (subclassing `Callback`, src/engine/core/context.py) and a YAML file;
 docs/layout.md shows one."""
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from src.engine.core.callbacks import Callback
-from src.engine.core.context import Run
-from src.engine.core.state import Parts, Progress
+from src.engine.core.context import Callback, Parts, Progress, Run
 from src.engine.errors import UserError, refuse
 
 log = logging.getLogger(__name__)

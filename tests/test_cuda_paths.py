@@ -13,7 +13,7 @@ from torch import nn
 from src.engine import checkpoint
 from src.engine.build import configure_kernels
 from src.engine.config import Trainer
-from src.engine.core.state import Parts, Schedule
+from src.engine.core.context import Parts, Schedule
 from src.engine.errors import UserError
 from src.engine.parallel import Process
 from src.engine.parallel.devices import rank_gpu

@@ -18,7 +18,7 @@ from conftest import (
     train,
 )
 
-from src.engine.guards.drift import fingerprint
+from src.engine.guards import fingerprint
 
 
 def user_model(name: str) -> list[str]:

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
-from src.engine.guards.checks import NonFiniteLoss
+from src.engine.guards import NonFiniteLoss
 from src.engine.parallel import Process
 from src.engine.tools import plots
 from src.engine.tools.sweep import SweepSummary, _write

@@ -17,14 +17,12 @@ from torch import nn
 from src.engine.build import check_accumulation
 from src.engine.checkpoint import Checkpointer, OptimizerState, RandomState, load_parts, rng_state
 from src.engine.config import Checkpointing, Trainer
-from src.engine.core.context import Hooks
+from src.engine.core.context import Hooks, Parts, Progress, Schedule
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import save, train_step
-from src.engine.core.state import Parts, Progress, Schedule
 from src.engine.data import Data
 from src.engine.errors import UserError
-from src.engine.guards.checks import NonFinite, NonFiniteLoss, UnwrittenMetrics
-from src.engine.guards.signals import StopSignals
+from src.engine.guards import NonFinite, NonFiniteLoss, UnwrittenMetrics
 from src.engine.parallel import Process
 from src.engine.parallel.none import Single
 from src.tasks import Classification
@@ -114,7 +112,7 @@ def test_the_norm_is_measured_without_clipping_only_when_asked():
 
 
 def checked(checkpointer=None, **trainer):
-    """A run whose one hook is the non-finite check (src/engine/guards/checks.py), and that hook."""
+    """A run whose one hook is the non-finite check (src/engine/guards.py), and that hook."""
     run, hook = a_run(**trainer), NonFinite()
     run.checkpointer, run.hooks = checkpointer, Hooks([hook])
     return run, hook
@@ -129,7 +127,7 @@ def test_float16_steps_the_scaler_skips_are_not_errors():
     run, looking = checked(precision="16")
     for step in (1, 2):
         loss, _ = train_step(run, trained, (images, labels, 16))
-        looking.after_step(run, Progress(step=step), loss)
+        looking.after_step(run, trained, Progress(step=step), loss)
     assert trained.scaler.get_scale() < 2.0**127  # steps were skipped: the scale came down
     assert all(torch.equal(b, p) for b, p in zip(before, trained.model.parameters(), strict=True))
     assert math.isfinite(run.hooks.check(run, Progress(step=2), loss.item(), trained.model))
@@ -176,9 +174,9 @@ def test_the_guards_share_one_all_reduce_per_check():
 
     process = Counting()
     run = a_run(process=process)
-    run.hooks = Hooks([UnwrittenMetrics(), NonFinite(), StopSignals()])
+    run.hooks = Hooks([UnwrittenMetrics(), NonFinite()])  # and the loop's stop signal
     run.checkpointer = Checkpointer(Checkpointing(), Path("unused"), process, parts(), {}, None)
-    run.hooks.after_step(run, Progress(step=1), torch.tensor(0.5))
+    run.hooks.after_step(run, parts(), Progress(step=1), torch.tensor(0.5))
     assert run.hooks.check(run, Progress(step=1), 0.5, parts().model) == 0.5
     assert process.reduced == [[0.5, False, False, False, False]]
 

@@ -36,12 +36,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from src.engine.build import build_model, read_settings
-from src.engine.core.context import Run
+from src.engine.core.context import Parts, Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.loop import train_step
-from src.engine.core.state import Parts
 from src.engine.errors import UserError
-from src.engine.guards.checks import check_count, check_metrics
+from src.engine.guards import check_count, check_metrics
 from src.engine.parallel import Process
 from src.tasks import Classification, Regression
 

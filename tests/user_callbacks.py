@@ -4,7 +4,7 @@ or fail on one rank only, as a callback's bug would."""
 
 import torch
 
-from src.engine.core.callbacks import Callback
+from src.engine.core.context import Callback
 
 
 class Watch(Callback):

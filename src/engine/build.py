@@ -23,24 +23,19 @@ from omegaconf import DictConfig, OmegaConf, ValidationError
 from omegaconf.errors import ConfigKeyError, InterpolationKeyError
 from torch import nn
 
-from src.engine import checkpoint, config, storage
+from src.engine import checkpoint, config, guards, storage
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
-from src.engine.core.callbacks import Callback, Callbacks
-from src.engine.core.context import Hooks, Run
-from src.engine.core.state import Best, Parts, Progress, Schedule
+from src.engine.core.context import Best, Callback, Callbacks, Hooks, Parts, Progress, Run, Schedule
 from src.engine.core.task import CONTRACT, place
 from src.engine.data import kind
 from src.engine.errors import UserError, first_line, refuse, where
-from src.engine.guards import drift
-from src.engine.guards.checks import NonFinite, UnwrittenMetrics, check_count, preflight
-from src.engine.guards.signals import StopSignals
+from src.engine.guards import NonFinite, UnwrittenMetrics, check_count, preflight
 from src.engine.logger import MetricsLogger, open_logger
 from src.engine.parallel import PROTOCOL, Process, Strategy
 from src.engine.tools.overfit import Overfit
 from src.engine.tools.profiler import Profiler
-from src.engine.tools.progress import ProgressBar
-from src.engine.tools.speed import Speed
+from src.engine.tools.progress import ProgressBar, Speed
 from src.engine.tools.warmup import WarmUp
 
 log = logging.getLogger("train")
@@ -188,16 +183,16 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
     data = instantiated("data", cfg.data)
     data.setup(process, trainer.dtype, trainer.memory_format)
     hooks = [WarmUp()] if trainer.warmup_steps else []  # before the signal handlers
-    hooks += [UnwrittenMetrics(), NonFinite(), StopSignals()]  # checked in this order
+    hooks += [UnwrittenMetrics(), NonFinite()]  # checked in this order
     if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
-        hooks.append(drift.DriftGuard(every))
+        hooks.append(guards.DriftGuard(every))
     hooks.append(build_callbacks(cfg))  # the config's callbacks= list
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
     if (below := (settings.config.get("debug") or {}).get("overfit_below")) is not None:
         hooks.append(Overfit(below))  # debug=overfit's verdict
     run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
-        drift.check_first_batch(data, process)
+        guards.check_first_batch(data, process)
         check_count(run)
     return run
 
@@ -216,7 +211,7 @@ def build_callbacks(cfg: DictConfig) -> Callbacks:
         if not isinstance(callback, Callback):
             raise UserError(
                 f"callbacks.{name}._target_={node._target_} is no Callback: subclass "
-                "src.engine.core.callbacks.Callback, whose methods the loop calls.",
+                "src.engine.core.context.Callback, whose methods the loop calls.",
                 every_rank=True,
             )
     return Callbacks(built)
@@ -245,7 +240,7 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:
         checkpoint.Weights(model, strategy, weights[0]).load_state_dict(weights[1]["model"])
-    drift.check_start(model, process)  # in a process group: every rank's weights are rank 0's
+    guards.check_start(model, process)  # in a process group: every rank's weights are rank 0's
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = strategy.wrap(model, trainer)
@@ -283,10 +278,9 @@ def build_parts(
     }
     if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
         parts["task"] = run.task
-    for hook in run.hooks:  # set up before the checkpoint gives them their state back
-        if isinstance(hook, Callbacks):
-            hook.setup(run, model, optimizer)
-            parts |= {"callbacks": hook} if hook.stateful else {}
+    callbacks = run.hooks.callbacks  # set up before the checkpoint gives them their state back
+    callbacks.setup(run, model, optimizer)
+    parts |= {"callbacks": callbacks} if callbacks.stateful else {}
     metadata = {"config": run.settings.config, "wandb_id": None}  # the run's, once it begins
     saver = Checkpointer(policy, run.run_dir, process, strategy, parts, metadata, resumed)
     if resumed and run.trainer.test_weights == "best":  # the test loads the best.pt it names

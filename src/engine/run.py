@@ -18,7 +18,7 @@ from src.engine.config import Settings
 from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
 from src.engine.errors import on_every_rank
-from src.engine.guards.signals import Interrupts
+from src.engine.guards import Interrupts
 from src.engine.launch import shared_run_dir
 from src.engine.parallel import teardown
 from src.engine.tools import plots

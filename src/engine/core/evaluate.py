@@ -7,8 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from src.engine.core.context import Run
-from src.engine.core.state import Best
+from src.engine.core.context import Best, Run
 from src.engine.core.task import float64_sum
 from src.engine.errors import UserError
 from src.engine.logger import measured
@@ -76,7 +75,8 @@ def test(run: Run, model: nn.Module, fitted: Fitted) -> dict[str, Any]:
 def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
     """The task's metrics over the whole `split` (val or test): each batch's sums added up in
     float64 on the CPU, then over the ranks, and turned into metrics once."""
-    with run.hooks.evaluating(run, model, split):  # the weights evaluated: an average's, say
+    # The config's callbacks decide the weights evaluated: an average's, say.
+    with run.hooks.callbacks.evaluating(run, model, split):
         task, process = run.task, run.process
         model = run.strategy.evaluated(model)  # each rank its share: DDP's module, not its wrapper
         # Buffers (BatchNorm's running statistics) are updated by each rank's own share of the last

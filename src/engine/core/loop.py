@@ -2,19 +2,25 @@
 `train_step` one optimizer step as a PyTorch user knows it (zero the gradients, forward, loss,
 backward, step) on this rank's share of a global batch. The same code for every parallel mode
 (what differs is `run.strategy`'s); the guards and the tools are hooks called at the loop's named
-points (src/engine/core/context.py); what is saved and when is the checkpointer's to decide."""
+points (src/engine/core/context.py); what is saved and when is the checkpointer's to decide.
+SIGTERM and Ctrl-C (pre-emption, torchrun) during training ask it to stop at a step, saving
+`last.pt` and printing the command that resumes; outside it they interrupt, telling what is kept
+(src/engine/guards.py)."""
 
 import logging
-from contextlib import nullcontext
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.engine.core.context import Run
+from src.engine.core.context import Parts, Progress, Run
 from src.engine.core.evaluate import Fitted, evaluate_and_log
-from src.engine.core.state import Parts, Progress
-from src.engine.errors import UserError
+from src.engine.errors import Stopped, UserError
 from src.engine.parallel import Process
 
 log = logging.getLogger(__name__)
@@ -27,11 +33,11 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
     if why := why_finished(progress, run):
         log.info("Nothing left to train: the checkpoint is at the end of this run (%s).", why)
         return Fitted(progress.ended_in, progress.step, progress.best)
-    with hooks.active(run, parts, progress):
+    with hooks.active(run, parts, progress), handling(hooks.received, *STOP_SIGNALS):
         while not (why := why_finished(progress, run)):
             hooks.epoch_started(run, progress)
             train_epoch(run, parts, progress)
-            hooks.epoch_ended(run, progress)
+            hooks.epoch_ended(run, parts, progress)
             hooks.check(run, progress, weights=parts.model)  # nothing bad is validated or saved
             if run.settings.validates:
                 val = evaluate_and_log(run, parts.model, "val", progress.record, progress.about)
@@ -40,8 +46,8 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
             best = progress.best  # None without a validation split
             improved = bool(best and best.update(progress.metrics, progress.epoch))
             run.checkpointer.epoch_done(progress.step, improved)
-            if hooks.stopping(run):
-                hooks.stop(run, progress)
+            if hooks.stopping(run):  # a signal
+                stop(run, progress)
             if progress.epoch_step == run.data.steps_per_epoch:
                 progress.epoch, progress.epoch_step = progress.epoch + 1, 0
     log.info("Training ended: %s.", why)
@@ -73,7 +79,7 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
         parts.schedule.after_step()
         progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
-        hooks.after_step(run, progress, loss)
+        hooks.after_step(run, parts, progress, loss)
         if logs:  # the ranks agree on the loss (and on the guards' checks), and it is logged
             mean = hooks.check(run, progress, loss.item())
             if run.logger:
@@ -83,9 +89,9 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
             break  # the epoch's end validates and saves
         if progress.stopped:  # a callback's: the epoch's end validates and saves, then it ends
             break
-        if hooks.stopping(run):
+        if hooks.stopping(run):  # a signal
             save(run, parts, progress)
-            hooks.stop(run, progress)
+            stop(run, progress)
         if run.checkpointer.due(progress.step):
             save(run, parts, progress)
     if progress.epoch_step == data.steps_per_epoch:
@@ -159,3 +165,33 @@ def nothing_counted(batch: str) -> UserError:
         f"The task counts no loss terms in {batch} (every target masked?): the loss's mean over "
         "it is undefined. Check the task's count and the data."
     )
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop(run: Run, progress: Progress) -> NoReturn:
+    """End training at a signal, `last.pt` saved, with the command that resumes it (rank 0 tells
+    it)."""
+    saver, when = run.checkpointer, f"after step {progress.step}"
+    if not saver.policy.save:
+        raise interrupted(run.process, f"{when} (checkpoint.save=false)")
+    resume = f"Run the same command with hydra.run.dir={saver.run_dir} to resume"
+    raise interrupted(run.process, f"{when}; {saver.last} is saved. {resume}")
+
+
+@contextmanager
+def handling(handler: Callable[[int, Any], None], *signums: int) -> Iterator[None]:
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
+def interrupted(process: Process, when: str) -> Stopped:
+    """The sentence for a signal (`when`: where the run was, and what is kept); quiet off rank 0."""
+    if not process.is_main:
+        sys.exit(1)  # quietly: rank 0 tells the user
+    return Stopped(f"Stopped by a signal {when}.")

@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import zlib
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -31,12 +30,11 @@ from src.engine.build import (
 )
 from src.engine.checkpoint import Checkpointer
 from src.engine.config import Settings
-from src.engine.core.context import Hook, Hooks, Run
+from src.engine.core.context import Hook, Hooks, Parts, Progress, Run
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import fit
-from src.engine.core.state import Parts, Progress
 from src.engine.errors import UserError, first_line
-from src.engine.guards import drift
+from src.engine.guards import differing
 from src.engine.parallel.devices import pick_device
 
 log = logging.getLogger("equivalence")
@@ -277,31 +275,27 @@ class Watcher(Hook):
     differ."""
 
     def __init__(self, trace: Trace) -> None:
-        self.trace, self.parts = trace, None
+        self.trace = trace
         self.directions: dict[str, torch.Tensor] = {}  # each tensor's, made once
 
-    def active(self, run: Run, parts: Parts, progress: Progress) -> AbstractContextManager:
-        self.parts = parts
-        return nullcontext()
-
-    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
-        model, process = run.strategy.unwrap(self.parts.model), run.process
+    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
+        model, process = run.strategy.unwrap(parts.model), run.process
         trace, step, parameters = self.trace, progress.step, list(model.named_parameters())
         trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
-        whole = run.strategy.model_state(self.parts.model)  # gathered onto rank 0 where sharded
+        whole = run.strategy.model_state(parts.model)  # gathered onto rank 0 where sharded
         trace.projected.append(projections(whole, self.directions))
         if step == 1:
             trace.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
-            trace.rank_buffers = list(drift.differing(process, list(model.named_buffers())))
+            trace.rank_buffers = list(differing(process, list(model.named_buffers())))
         if trace.drifted is None and run.strategy.replicated:  # sharded: each rank its own part
-            found = drift.differing(process, parameters)
+            found = differing(process, parameters)
             trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
         if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
             for name, p in parameters:
                 if p.grad is not None:
                     size = p.grad.detach().abs().cpu()
                     trace.gradients[name] = torch.maximum(trace.gradients.get(name, size), size)
-            state = self.parts.optimizer.state.values()
+            state = parts.optimizer.state.values()
             trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
 
 

@@ -10,8 +10,7 @@ from contextlib import contextmanager
 import torch
 from hydra.errors import CompactHydraException
 
-from src.engine.core.context import Hook, Run
-from src.engine.core.state import Parts, Progress
+from src.engine.core.context import Hook, Parts, Progress, Run
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ class Overfit(Hook):
     def __init__(self, below: float):
         self.below, self.loss = below, None
 
-    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
         self.loss = loss.detach()
 
     @contextmanager

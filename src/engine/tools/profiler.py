@@ -11,8 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from src.engine.core.context import Hook, Run
-from src.engine.core.state import Parts, Progress
+from src.engine.core.context import Hook, Parts, Progress, Run
 
 log = logging.getLogger(__name__)
 
@@ -38,5 +37,5 @@ class Profiler(Hook):
             log.info(f"Trace of {run.trainer.profile} steps in {folder}/, a file per rank; rank "
                      f"0's costliest operations:\n{costliest}")  # fmt: skip
 
-    def after_step(self, run: Run, progress: Progress, loss: torch.Tensor) -> None:
+    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
         self.profile.step()

@@ -16,7 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from src.engine.config import checkpoint_mode_of
-from src.engine.core.state import Best
+from src.engine.core.context import Best
 from src.engine.errors import UserError
 from src.engine.logger import measured
 

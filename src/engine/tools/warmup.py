@@ -12,10 +12,9 @@ from itertools import chain, islice
 import torch
 
 from src.engine import checkpoint
-from src.engine.core.context import Hook, Run
+from src.engine.core.context import Hook, Parts, Progress, Run
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import train_step
-from src.engine.core.state import Parts, Progress
 
 log = logging.getLogger(__name__)
 
