@@ -23,12 +23,11 @@ from src.engine.build import (
     build_callbacks,
     build_model,
     build_parts,
+    build_run,
     build_strategy,
     build_task,
-    instantiated,
     read_settings,
 )
-from src.engine.checkpoint import Checkpointer
 from src.engine.config import Settings
 from src.engine.core.context import Hook, Hooks, Parts, Progress, Run
 from src.engine.core.evaluate import evaluate
@@ -154,12 +153,11 @@ def preset(mode: str) -> DictConfig:
 
 
 def set_up(cfg: DictConfig, process: parallel.Process | None = None) -> Run:
-    """`cfg`'s settings and data on `process` (None: one of the process group, joined here)."""
+    """`cfg`'s settings and data on `process` (None: one of the process group, joined here), as
+    a training run has them (its hooks are each layout's own)."""
     settings = read_settings(cfg)  # its kernels set by build_model, as in a training run
     process = process or settings.parallel.setup(settings.device, settings.trainer)
-    data = instantiated("data", cfg.data)
-    data.setup(process, settings.trainer.dtype, settings.trainer.memory_format)
-    return Run(process, settings, data)
+    return build_run(cfg, settings, process, Path.cwd())
 
 
 def compared(
@@ -244,18 +242,18 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     trainer = replace(run.trainer, accumulate_grad_batches=micro)
     # A task and callbacks of its own, as a run has: a fork's may keep state (a count, an average
     # of the weights) that the layout trained before would otherwise hand on to this one.
-    settings = replace(run.settings, trainer=trainer, task=build_task(cfg))
+    policy = replace(run.settings.checkpoint, save=False)  # no file
+    settings = replace(run.settings, trainer=trainer, task=build_task(cfg), checkpoint=policy)
     run = replace(run, settings=settings, hooks=Hooks([build_callbacks(cfg), Watcher(trace)]))
     model = build_model(cfg, run, weights)
     dropouts_off(run.strategy.unwrap(model))
-    parts, progress, _ = build_parts(cfg, run, model, None)  # the schedule planned as configured
-    # Only debug.steps of it, whatever the config's epochs, a check after each step, no file.
+    # The schedule planned as configured; then only debug.steps of it, whatever the config's
+    # epochs, a check after each step.
+    parts, progress, run.checkpointer = build_parts(cfg, run, model, None)
     epochs = max(trainer.epochs, math.ceil(steps / data.steps_per_epoch))
     trainer = replace(trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
     trainer = replace(trainer, test_weights="last", early_stopping_patience=None)
-    policy = replace(settings.checkpoint, save=False)
-    run = replace(run, settings=replace(settings, trainer=trainer, checkpoint=policy))
-    run.checkpointer = Checkpointer(policy, Path.cwd(), run.process, run.strategy, {}, {})
+    run = replace(run, settings=replace(settings, trainer=trainer))
     try:
         fit(run, parts, progress)
     except RuntimeError as err:
