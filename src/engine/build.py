@@ -278,9 +278,10 @@ def build_parts(
     }
     if callable(getattr(run.task, "state_dict", None)):  # a task that keeps state of its own
         parts["task"] = run.task
-    callbacks = run.hooks.callbacks  # set up before the checkpoint gives them their state back
-    callbacks.setup(run, model, optimizer)
-    parts |= {"callbacks": callbacks} if callbacks.stateful else {}
+    for hook in run.hooks:  # set up before the checkpoint gives them their state back
+        if isinstance(hook, Callbacks):
+            hook.setup(run, model, optimizer)
+            parts |= {"callbacks": hook} if hook.stateful else {}
     metadata = {"config": run.settings.config, "wandb_id": None}  # the run's, once it begins
     saver = Checkpointer(policy, run.run_dir, process, strategy, parts, metadata, resumed)
     if resumed and run.trainer.test_weights == "best":  # the test loads the best.pt it names

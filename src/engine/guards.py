@@ -22,6 +22,7 @@ import signal
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Any
 
@@ -41,12 +42,13 @@ class NonFiniteLoss(CompactHydraException):
     """The training loss became NaN or infinite; nothing after it was saved."""
 
 
+@dataclass(eq=False)
 class NonFinite(Hook):
     """Stop every rank at a NaN or infinite loss, or weight before an evaluation or save."""
 
-    def __init__(self) -> None:
-        self.losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) since the last check
-        self.first_bad: int | None = None  # this rank's first step with a bad loss
+    # (step, loss) since the last check
+    losses: list[tuple[int, Tensor]] = field(default_factory=list)
+    first_bad: int | None = None  # this rank's first step with a bad loss
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: Tensor) -> None:
         self.losses.append((progress.step, loss))
@@ -355,16 +357,18 @@ class DriftGuard(Hook):
             )
 
 
+@dataclass
 class Interrupts(AbstractContextManager):
     """Outside training, SIGTERM interrupts as Ctrl-C does (Python's main thread only gets them),
     and either ends the run with a sentence of where it was (`when`) and what is kept."""
 
-    def __init__(self, process: Process, when: str) -> None:
-        self.process, self.when, self.handling = process, when, nullcontext()
-        if threading.current_thread() is threading.main_thread():
-            self.handling = handling(signal.default_int_handler, signal.SIGTERM)
+    process: Process
+    when: str
 
     def __enter__(self) -> Interrupts:
+        self.handling = nullcontext()
+        if threading.current_thread() is threading.main_thread():
+            self.handling = handling(signal.default_int_handler, signal.SIGTERM)
         self.handling.__enter__()
         return self
 

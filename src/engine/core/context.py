@@ -136,11 +136,12 @@ class Progress:
         return self.epoch if self.epoch_step else self.epoch - 1
 
 
+@dataclass
 class Schedule:
     """The learning-rate scheduler, stepped after each optimizer step or epoch; checkpointed."""
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, every_step: bool = False):
-        self.scheduler, self.every_step = scheduler, every_step
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    every_step: bool = False
 
     def after_step(self) -> None:
         if self.every_step:
