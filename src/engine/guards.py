@@ -332,11 +332,11 @@ def check_first_batch(data: Data, process: Process) -> None:
         )
 
 
+@dataclass(eq=False)
 class DriftGuard(Hook):
     """Stop every rank when a parameter differs from rank 0's: at each check, and every N steps."""
 
-    def __init__(self, every: int | str) -> None:
-        self.every = every
+    every: int | str
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: Tensor) -> None:
         if isinstance(self.every, int) and progress.step % self.every == 0:

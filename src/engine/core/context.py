@@ -230,8 +230,8 @@ class Hooks(list[Hook]):
         """One all-reduce for this rank's `loss`, its stop signal and every hook's votes; each hook
         then reads the ranks' sums of its own. Returns the loss averaged over the ranks."""
         votes = [hook.votes(run, progress, weights) for hook in self]
-        own = [loss, bool(self.signal), *(v for own in votes for v in own)]
-        sums = run.process.sum_over_ranks(own)
+        values = [loss, bool(self.signal), *(v for own in votes for v in own)]
+        sums = run.process.sum_over_ranks(values)
         self.signalled = self.signalled or bool(sums[1])
         at = 2
         for hook, own in zip(self, votes, strict=True):
