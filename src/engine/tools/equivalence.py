@@ -239,7 +239,7 @@ def train_layouts(cfg: DictConfig, run: Run) -> list[Trace]:
 def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -> Trace:
     """Train `debug.steps` steps in `micro` micro-batches with `fit`, watching; then evaluate."""
     steps, data, trace = cfg.debug.steps, run.data, Trace()
-    trainer = replace(run.trainer, accumulate_grad_batches=micro)
+    trainer = replace(run.trainer, accumulate_grad_batches=micro, test_weights="last")
     # A task and callbacks of its own, as a run has: a fork's may keep state (a count, an average
     # of the weights) that the layout trained before would otherwise hand on to this one.
     policy = replace(run.settings.checkpoint, save=False)  # no file
@@ -252,7 +252,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     parts, progress, run.checkpointer = build_parts(cfg, run, model, None)
     epochs = max(trainer.epochs, math.ceil(steps / data.steps_per_epoch))
     trainer = replace(trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
-    trainer = replace(trainer, test_weights="last", early_stopping_patience=None)
+    trainer = replace(trainer, early_stopping_patience=None)
     run = replace(run, settings=replace(settings, trainer=trainer))
     try:
         fit(run, parts, progress)
