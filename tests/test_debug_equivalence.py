@@ -250,12 +250,9 @@ def test_the_layouts_follow_the_config():
 def difference(losses: list[float], weights: list[float], evaluated: float = 0.0) -> Difference:
     """A layout's difference from the reference with these per-step relative loss and weight
     differences (the weights' in fc2.weight) and this validation loss difference."""
-    worst = max(losses)
     return Difference(
-        loss=(worst, losses.index(worst) + 1), weight=(max(weights), "fc2.weight"),
-        eval_loss=evaluated, correct={}, failed=None, complete=True, drifted=False,
-        eval_losses={"val": evaluated}, steps=losses,
-        weight_steps=[(w, "fc2.weight") for w in weights],
+        steps=losses, weight_steps=[(w, "fc2.weight") for w in weights],
+        weight=(max(weights), "fc2.weight"), eval_losses={"val": evaluated}, correct={},
     )  # fmt: skip
 
 

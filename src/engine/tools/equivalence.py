@@ -18,16 +18,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.engine import checkpoint, launch, parallel, storage
-from src.engine.build import (
-    build_callbacks,
-    build_model,
-    build_parts,
-    build_run,
-    build_strategy,
-    build_task,
-    read_settings,
-)
+from src.engine import build, checkpoint, launch, parallel, storage
 from src.engine.config import Settings
 from src.engine.core.context import Hook, Hooks, Parts, Progress, Run
 from src.engine.core.evaluate import evaluate
@@ -93,7 +84,7 @@ def check(cfg: DictConfig) -> None:
             "debug=equivalence starts its own DDP processes: run python train.py "
             "debug=equivalence ... without torchrun."
         )
-    settings = read_settings(cfg)
+    settings = build.read_settings(cfg)
     steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
     precision, own = str(cfg.debug.get("precision", "64")), settings.trainer.precision
     if not (isinstance(steps, int) and steps >= 1):
@@ -108,7 +99,7 @@ def check(cfg: DictConfig) -> None:
     group, micro = group_of(cfg, settings), micro_batches(cfg, settings)
     storage.admit()  # its verdict's log stays in the run folder, pass or fail
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
-    device, mode = "cuda" if gpus else "cpu", build_strategy(group).name
+    device, mode = "cuda" if gpus else "cpu", build.build_strategy(group).name
     in_what = (
         "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
         "the config's own precision)"
@@ -155,9 +146,9 @@ def preset(mode: str) -> DictConfig:
 def set_up(cfg: DictConfig, process: parallel.Process | None = None) -> Run:
     """`cfg`'s settings and data on `process` (None: one of the process group, joined here), as
     a training run has them (its hooks are each layout's own)."""
-    settings = read_settings(cfg)  # its kernels set by build_model, as in a training run
+    settings = build.read_settings(cfg)  # its kernels set by build_model, as in a training run
     process = process or settings.parallel.setup(settings.device, settings.trainer)
-    return build_run(cfg, settings, process, Path.cwd())
+    return build.build_run(cfg, settings, process, Path.cwd())
 
 
 def compared(
@@ -195,7 +186,7 @@ def micro_batches(cfg: DictConfig, settings: Settings) -> int | None:
         return None
     trainer = replace(settings.trainer, accumulate_grad_batches=micro)
     try:  # static_graph=true cannot accumulate, for one
-        build_strategy(group_of(cfg, settings)).check(replace(settings, trainer=trainer))
+        build.build_strategy(group_of(cfg, settings)).check(replace(settings, trainer=trainer))
     except UserError as err:
         log.info("No micro-batch layouts: %s", err)
         return None
@@ -216,7 +207,7 @@ def layout_config(
     config = OmegaConf.to_container(cfg, resolve=True)
     config["trainer"]["precision"] = precision or config["trainer"]["precision"]
     config["parallel"] = OmegaConf.to_container(mode, resolve=True)
-    if build_strategy(mode).in_group:
+    if build.build_strategy(mode).in_group:
         config["parallel"]["nproc_per_node"] = PROCESSES
     config["device"], config["debug"]["micro_batches"] = device, micro
     return OmegaConf.create(config)
@@ -243,13 +234,13 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     # A task and callbacks of its own, as a run has: a fork's may keep state (a count, an average
     # of the weights) that the layout trained before would otherwise hand on to this one.
     policy = replace(run.settings.checkpoint, save=False)  # no file
-    settings = replace(run.settings, trainer=trainer, task=build_task(cfg), checkpoint=policy)
-    run = replace(run, settings=settings, hooks=Hooks([build_callbacks(cfg), Watcher(trace)]))
-    model = build_model(cfg, run, weights)
+    settings = replace(run.settings, trainer=trainer, task=build.build_task(cfg), checkpoint=policy)
+    run = replace(run, settings=settings, hooks=Hooks([build.build_callbacks(cfg), Watcher(trace)]))
+    model = build.build_model(cfg, run, weights)
     dropouts_off(run.strategy.unwrap(model))
     # The schedule planned as configured; then only debug.steps of it, whatever the config's
     # epochs, a check after each step.
-    parts, progress, run.checkpointer = build_parts(cfg, run, model, None)
+    parts, progress, run.checkpointer = build.build_parts(cfg, run, model, None)
     epochs = max(trainer.epochs, math.ceil(steps / data.steps_per_epoch))
     trainer = replace(trainer, epochs=epochs, max_steps=steps, log_every_n_steps=1)
     trainer = replace(trainer, early_stopping_patience=None)
@@ -329,53 +320,51 @@ def dropouts_off(model: nn.Module) -> None:
 class Difference:
     """How far a layout is from the reference, relative."""
 
-    loss: tuple[float, int | None]  # the largest of any step, and its step
-    weight: tuple[float, str | None]  # the largest (of the tensor's largest weight above 1), where
-    eval_loss: float  # the largest of the evaluated splits'
-    correct: dict[str, int]  # each split's change, shown, not judged: rounding may flip a tie
-    failed: str | None  # DDP's refusal, if training stopped early
-    complete: bool  # it trained every step
-    drifted: bool  # its DDP ranks' parameters differed, which rounding never explains
-    eval_losses: dict[str, float] = field(default_factory=dict)  # each split's
-    steps: list[float] = field(default_factory=list)  # each step's loss difference
+    steps: list[float]  # each step's loss difference
     # Each step's weight difference, from the projections (of the tensor's largest weight above
     # 1), and where: the step whose weights first differ is where the layouts part.
-    weight_steps: list[tuple[float, str | None]] = field(default_factory=list)
+    weight_steps: list[tuple[float, str | None]]
+    weight: tuple[float, str | None]  # the largest (of the tensor's largest weight above 1), where
+    eval_losses: dict[str, float]  # each evaluated split's
+    correct: dict[str, int]  # each split's change, shown, not judged: rounding may flip a tie
+    failed: str | None = None  # DDP's refusal, if training stopped early
+    complete: bool = True  # it trained every step
+    drifted: bool = False  # its DDP ranks' parameters differed, which rounding never explains
     monitored: float | None = None  # its checkpoint.monitor value (the layout's own, not a change)
 
     def within(self, tolerance: float) -> bool:
-        worst = max(self.loss[0], self.weight[0], self.eval_loss)
+        worst = max(self.weight[0], *self.steps, *self.eval_losses.values())
         return self.complete and not self.drifted and worst <= tolerance
 
 
 def compare(trace: Trace, reference: Trace, steps: int, monitor: str = "") -> Difference:
     """How far `trace` is from the reference, and its value of the `monitor` metric."""
     pairs = zip(trace.losses, reference.losses, strict=False)
-    per_step = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
     weight_steps = [
         max(((abs(a[n][0] - b[n][0]) / max(1.0, b[n][1]), n) for n in b if n in a),
             default=(0.0, None))
         for a, b in zip(trace.projected, reference.projected, strict=False)
     ]  # fmt: skip
-    loss = max(((d, step) for step, d in enumerate(per_step, 1)), default=(0.0, None))
     changes = (
         ((a.double() - b.double()).abs().max().item() / max(1.0, b.abs().max().item()), name)
         for name, a in trace.weights.items()
         if (b := reference.weights[name]).is_floating_point() and b.numel()
     )
-    eval_losses, correct = {}, {}  # where the task reports a loss metric, correct counts
-    for s, m in trace.evals.items():
-        theirs = reference.evals[s]
-        if f"{s}/loss" in m:
-            eval_losses[s] = abs(m[f"{s}/loss"] / theirs[f"{s}/loss"] - 1)
-        if f"{s}/correct" in m:
-            correct[s] = m[f"{s}/correct"] - theirs[f"{s}/correct"]
-    weight, eval_loss = max(changes, default=(0.0, None)), max(eval_losses.values(), default=0.0)
-    complete = len(trace.losses) == steps and trace.failed is None
-    drifted = trace.drifted is not None and trace.failed is None
-    monitored = trace.evals.get(monitor.partition("/")[0], {}).get(monitor)
-    return Difference(loss, weight, eval_loss, correct, trace.failed, complete, drifted,
-                      eval_losses, per_step, weight_steps, monitored)  # fmt: skip
+    # Where the task reports a loss metric, correct counts.
+    ours, theirs = trace.evals, reference.evals
+    return Difference(
+        steps=[abs(a - b) / max(abs(b), 1e-12) for a, b in pairs],
+        weight_steps=weight_steps,
+        weight=max(changes, default=(0.0, None)),
+        eval_losses={s: abs(m[f"{s}/loss"] / theirs[s][f"{s}/loss"] - 1)
+                     for s, m in ours.items() if f"{s}/loss" in m},
+        correct={s: m[f"{s}/correct"] - theirs[s][f"{s}/correct"]
+                 for s, m in ours.items() if f"{s}/correct" in m},
+        failed=trace.failed,
+        complete=len(trace.losses) == steps and trace.failed is None,
+        drifted=trace.drifted is not None and trace.failed is None,
+        monitored=ours.get(monitor.partition("/")[0], {}).get(monitor),
+    )  # fmt: skip
 
 
 def table(rows: dict[str, Difference], reference: Trace, monitor: str = "") -> str:
@@ -386,22 +375,22 @@ def table(rows: dict[str, Difference], reference: Trace, monitor: str = "") -> s
     shown = any(row.monitored is not None for row in rows.values())  # without a validation: none
     lines = [["layout", "loss (step)", "weights (where)", *([monitor] if shown else [])]]
     lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
-    own = [  # the reference's row: its correct counts (or losses)
-        f"{m[f'{s}/correct']}/{m['size']}" if counted[s] else f"{m.get(f'{s}/loss', math.nan):.4g}"
-        for s, m in evals.items()
-    ]
     for name, row in rows.items():
-        (loss, step), (weight, where) = row.loss, row.weight
-        failed = row.failed and f"failed at {row.failed.split(':')[0]}"
-        cells = [failed or f"{loss:.1e} ({step})", f"{weight:.1e} ({where})"]
-        monitored = ["-" if row.monitored is None else f"{row.monitored:.4f}"] if shown else []
-        for s in evals:
-            change = f"{row.correct.get(s, 0):+d}"
-            cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
-        if name.endswith("(reference)"):
-            lines.append([name, "-", "-", *monitored, *own])
-        else:
-            lines.append([name, *cells[:2], *monitored, *cells[2:]])
+        loss, step = max(((d, step) for step, d in enumerate(row.steps, 1)), default=(0, None))
+        (weight, where), failed = row.weight, row.failed
+        cells = [f"failed at {failed.split(':')[0]}" if failed else f"{loss:.1e} ({step})"]
+        cells += [f"{weight:.1e} ({where})"]
+        if name.endswith("(reference)"):  # its own correct counts (or losses)
+            cells = ["-", "-"]
+        cells += ["-" if row.monitored is None else f"{row.monitored:.4f}"] * shown
+        for s, m in evals.items():
+            if name.endswith("(reference)"):
+                own = f"{m[f'{s}/correct']}/{m['size']}"
+                cells.append(own if counted[s] else f"{m.get(f'{s}/loss', math.nan):.4g}")
+            else:
+                change = f"{row.correct.get(s, 0):+d}"
+                cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
+        lines.append([name, *cells])
     widths = [max(map(len, column)) for column in zip(*lines, strict=True)]
     return "\n".join("  ".join(map(str.ljust, line, widths)).rstrip() for line in lines)
 
@@ -415,12 +404,12 @@ def likely_causes(
     tolerance: float,
 ) -> list[str]:
     """What could make the layouts `differ`, from the runs and the one-process model `probed`."""
-    reference, strategy = next(iter(layouts.values())), build_strategy(processes.parallel)
-    failures: dict[str, list[str]] = {}
-    for name in differ:
-        if failed := layouts[name].failed:
-            failures.setdefault(failed, []).append(name)
-    causes = [f"{' and '.join(names)} stopped at {failed}" for failed, names in failures.items()]
+    reference, strategy = next(iter(layouts.values())), build.build_strategy(processes.parallel)
+    failures = dict.fromkeys(layouts[name].failed for name in differ if layouts[name].failed)
+    causes = [
+        f"{' and '.join(n for n in differ if layouts[n].failed == f)} stopped at {f}"
+        for f in failures
+    ]
     if reference.no_grad and not getattr(strategy, "find_unused_parameters", False):
         causes.append(
             f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
@@ -471,8 +460,7 @@ def likely_causes(
         )
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
-    float64 = probed[1].trainer.precision == "64"
-    parted = course(differ, rows, tolerance, float64)
+    parted = course(differ, rows, tolerance, probed[1].trainer.precision == "64")
     causes += filter(None, [zero_gradients(reference, where), parted])
     return causes or [
         f"none this check can see; the largest weight difference is in {where} ({worst})"
@@ -572,7 +560,7 @@ def agreeing(trained: list[str], rows: dict[str, Difference], tolerance: float) 
 
 def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
     """The config's model as one process builds it, dropout off, its run, and its first batch."""
-    model = build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
+    model = build.build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
     model.train()
     dropouts_off(run.strategy.unwrap(model))
     return model, run, next(run.data.train_batches(1))
