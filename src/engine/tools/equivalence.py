@@ -280,10 +280,9 @@ class Watcher(Hook):
             found = differing(process, parameters)
             trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
         if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
-            for name, p in parameters:
-                if p.grad is not None:
-                    size = p.grad.detach().abs().cpu()
-                    trace.gradients[name] = torch.maximum(trace.gradients.get(name, size), size)
+            sizes = {n: p.grad.detach().abs().cpu() for n, p in parameters if p.grad is not None}
+            seen = trace.gradients
+            trace.gradients = {n: torch.maximum(seen.get(n, g), g) for n, g in sizes.items()}
             state = parts.optimizer.state.values()
             trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
 
@@ -493,7 +492,8 @@ def course(
     differ: list[str], rows: dict[str, Difference], tolerance: float, float64: bool
 ) -> str | None:
     """Where the layouts part from the reference: at step 1's loss (the forward), at the first
-    step whose weights differ beyond rounding (the gradients or the update), or at a jump."""
+    step whose weights differ beyond rounding (the gradients or the update), or at a jump; where
+    the weights agree after every step, what differs then (the reported loss, the evaluation)."""
     # A failure, or ranks that drifted apart, is a cause of its own, named above.
     trained = [name for name in differ if not (rows[name].failed or rows[name].drifted)]
     if not trained:
@@ -504,26 +504,42 @@ def course(
             f"in {name} the loss differs from the first step ({at:.1e}): the layouts compute "
             "something else (a sample, a scale, the model's own state), not rounding"
         )
-    parted = {n: step for n in trained if (step := first_over(rows[n].weight_steps, tolerance))}
-    if not parted:
-        return agreeing(trained, rows, tolerance)
-    name = min(parted, key=lambda n: (parted[n], -rows[n].weight_steps[parted[n] - 1][0]))
+    by_weights = {n: [d for d, _ in rows[n].weight_steps] for n in trained}
+    parted = {n: step for n in trained if (step := first_over(by_weights[n], tolerance))}
+    if not parted:  # what differs in layouts whose weights agree after every step
+        agree = f"the weights agree with the reference's after every step (within {tolerance:.0e})"
+        for name in trained:
+            if step := first_over(rows[name].steps, tolerance):
+                return (
+                    f"in {name} {agree}, and the loss of step {step} differs "
+                    f"({rows[name].steps[step - 1]:.1e}): what the layouts report as the loss "
+                    "differs (a sample, a scale), not what they train"
+                )
+        for name in trained:
+            losses = rows[name].eval_losses
+            if (split := max(losses, key=losses.get, default=None)) and losses[split] > tolerance:
+                return (
+                    f"in {name} {agree}, and its {split} loss differs ({losses[split]:.1e}): the "
+                    "evaluation differs (the weights it evaluates, the model's evaluation mode or "
+                    "buffers)"
+                )
+        return None
+    name = min(parted, key=lambda n: (parted[n], -by_weights[n][parted[n] - 1]))
     step, by_step = parted[name], rows[name].weight_steps
-    (at, where), before = by_step[step - 1], max((d for d, _ in by_step[: step - 1]), default=0.0)
+    (at, where), before = by_step[step - 1], max(by_weights[name][: step - 1], default=0.0)
     by = f"by {at:.1e} against the rounding bound {tolerance:.0e}, in {where}"
     if step > 1 and at >= JUMP * before:
         level = f"to rounding ({before:.0e})" if before else "exactly"
-        agree = f"in {name} the weights agree with the reference's {level} "
-        if float64:  # float64's rounding tips a tie rarely, and then from rounding's level
-            return (
-                f"{agree}up to step {step - 1} and jump at step {step} ({by}): a near tie (a "
-                "ReLU, a max) that rounding tipped, carried on by training, or what that step "
-                "alone computes otherwise (its batch)"
-            )
+        tipped = (  # float64's rounding tips a tie rarely, and then from rounding's level
+            "a near tie (a ReLU, a max) that rounding tipped, carried on by training, or what "
+            "that step alone computes otherwise (its batch)"
+            if float64
+            else "a near tie that rounding tipped, or a difference in what that step computes; "
+            "debug.precision=64 tells them apart (in float64 rounding tips ties far more rarely)"
+        )
         return (
-            f"{agree}up to step {step - 1} and jump at step {step} ({by}): a near tie that "
-            "rounding tipped, or a difference in what that step computes; debug.precision=64 "
-            "tells them apart (in float64 rounding tips ties far more rarely)"
+            f"in {name} the weights agree with the reference's {level} up to step {step - 1} and "
+            f"jump at step {step} ({by}): {tipped}"
         )
     grew = f", after a difference that grew from {by_step[0][0]:.0e} at step 1" if step > 1 else ""
     return (
@@ -532,30 +548,9 @@ def course(
     )
 
 
-def first_over(by_step: list[tuple[float, str | None]], tolerance: float) -> int | None:
+def first_over(differences: list[float], tolerance: float) -> int | None:
     """The first step whose difference passes `tolerance` (counted from 1), or None."""
-    return next((step for step, (d, _) in enumerate(by_step, 1) if d > tolerance), None)
-
-
-def agreeing(trained: list[str], rows: dict[str, Difference], tolerance: float) -> str | None:
-    """What differs in layouts whose weights agree with the reference's after every step."""
-    agree = f"the weights agree with the reference's after every step (within {tolerance:.0e})"
-    for name in trained:
-        if step := first_over([(d, None) for d in rows[name].steps], tolerance):
-            return (
-                f"in {name} {agree}, and the loss of step {step} differs "
-                f"({rows[name].steps[step - 1]:.1e}): what the layouts report as the loss differs "
-                "(a sample, a scale), not what they train"
-            )
-    for name in trained:
-        losses = rows[name].eval_losses
-        if (split := max(losses, key=losses.get, default=None)) and losses[split] > tolerance:
-            return (
-                f"in {name} {agree}, and its {split} loss differs ({losses[split]:.1e}): the "
-                "evaluation differs (the weights it evaluates, the model's evaluation mode or "
-                "buffers)"
-            )
-    return None
+    return next((step for step, d in enumerate(differences, 1) if d > tolerance), None)
 
 
 def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
