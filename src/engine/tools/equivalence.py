@@ -375,7 +375,7 @@ def table(rows: dict[str, Difference], reference: Trace, monitor: str = "") -> s
     lines = [["layout", "loss (step)", "weights (where)", *([monitor] if shown else [])]]
     lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
     for name, row in rows.items():
-        loss, step = max(((d, step) for step, d in enumerate(row.steps, 1)), default=(0, None))
+        loss, step = max(((d, step) for step, d in enumerate(row.steps, 1)), default=(0.0, None))
         (weight, where), failed = row.weight, row.failed
         cells = [f"failed at {failed.split(':')[0]}" if failed else f"{loss:.1e} ({step})"]
         cells += [f"{weight:.1e} ({where})"]
