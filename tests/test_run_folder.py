@@ -4,12 +4,25 @@ start afresh (no last.pt to resume), is refused before any work, and the folder 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import files, ok, printed, read_test, start, train
+from conftest import (
+    REPO,
+    TESTS,
+    defaults_for_tests,
+    files,
+    offline_env,
+    ok,
+    printed,
+    read_test,
+    run_train_py_here,
+    train,
+)
 from omegaconf import OmegaConf
 
 from src.engine import storage
@@ -17,6 +30,7 @@ from src.engine.errors import UserError
 from src.engine.parallel import Process
 
 RUN = ["logger=none", "trainer.epochs=1"]
+FORK = [f"hydra.searchpath=[file://{TESTS}/conf]"]  # tests/conf/callbacks/watch.yaml
 
 
 def finished_without_last_pt(tmp_path: Path, tiny_data: Path) -> tuple[list[str], str]:
@@ -85,6 +99,22 @@ def test_a_new_ddp_run_into_a_finished_runs_folder_is_refused_on_every_rank(tmp_
     assert files(tmp_path / "run") == records
 
 
+def forked(overrides: list[str], cwd: Path) -> int:
+    """train.py in a child of this process, its output in cwd/log: the process id. Where this
+    process has run train.py before, the child has nothing to import: it starts at once."""
+    cwd.mkdir(parents=True)
+    command = [sys.executable, str(REPO / "train.py"), *overrides, *defaults_for_tests(overrides)]
+    if pid := os.fork():
+        return pid
+    code = 1
+    try:
+        result = run_train_py_here(command, cwd, offline_env())
+        (cwd / "log").write_text(printed(result))
+        code = result.returncode
+    finally:
+        os._exit(code)
+
+
 @pytest.mark.slow
 def test_two_runs_started_together_into_one_folder_one_trains_and_the_other_changes_nothing(
     tmp_path, tiny_data
@@ -92,25 +122,37 @@ def test_two_runs_started_together_into_one_folder_one_trains_and_the_other_chan
     """The folder's lock is taken before Hydra writes there: of two runs started into one folder
     0 to 1 s apart, one trains to its end with every file its own, the other is refused in one
     sentence naming it and writes nothing there (50 tries; its undo once deleted the winner's
-    .hydra/ and train.log)."""
-    for attempt in range(50):
-        run_dir, runs = tmp_path / f"run{attempt}", []
-        for seed in (1, 2):  # each run's own config: seed=1 or seed=2
-            overrides = [f"data.root={tiny_data}", *RUN, f"seed={seed}", f"hydra.run.dir={run_dir}"]
-            runs.append(start(overrides, tmp_path / f"{attempt}-{seed}"))
-            time.sleep(attempt / 49 if seed == 1 else 0)
-        codes = [run.wait(timeout=300) for run in runs]
-        assert sorted(codes) == [0, 1], (attempt, codes)
-        won = codes.index(0)  # the winner's seed is won + 1, the other's 2 - won
-        said = (tmp_path / f"{attempt}-{2 - won}" / "log").read_text()
-        refused = f"{run_dir} is in use by another run (process {runs[won].pid} on "
-        assert said.count(refused) == 1 and "Traceback" not in said, said
-        assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").seed == won + 1
-        assert f"seed={won + 1}" in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
-        log = (run_dir / "train.log").read_text()
-        assert log.count("Run folder:") == 1 and "Training ended" in log, log
-        assert read_test(run_dir) and (run_dir / "checkpoints" / "last.pt").is_file()
-        assert not (run_dir / "run.lock").exists()
+    .hydra/ and train.log). Each run is a child of this process (no imports to wait for), whose
+    callback sleeps 1.5 s at its epoch's end, so that the first holds the folder while the
+    second starts, whatever the delay; five pairs at a time."""
+    # A run in this process first: what a run imports (900 modules) is then imported for every
+    # child, which starts in a tenth of a second.
+    ok(train([f"data.root={tiny_data}", *RUN, "trainer.max_steps=1"], tmp_path / "imports"))
+    hold = [*FORK, "callbacks=watch", "callbacks.watch.sleep_at_epoch_end=1.5"]
+    for first in range(0, 50, 5):
+        tries = range(first, first + 5)
+        # Each pair's first run at once, its second attempt / 49 s later: the ten starts in order.
+        starts = sorted([(0.0, a, 1) for a in tries] + [(a / 49, a, 2) for a in tries])
+        began, pids = time.monotonic(), {}
+        for at, attempt, seed in starts:
+            time.sleep(max(0.0, began + at - time.monotonic()))
+            overrides = [f"data.root={tiny_data}", *RUN, *hold, f"seed={seed}",
+                         f"hydra.run.dir={tmp_path / f'run{attempt}'}"]  # fmt: skip
+            pids[attempt, seed] = forked(overrides, tmp_path / f"{attempt}-{seed}")
+        codes = {key: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for key, pid in pids.items()}
+        for attempt in tries:
+            run_dir, pair = tmp_path / f"run{attempt}", [codes[attempt, 1], codes[attempt, 2]]
+            assert sorted(pair) == [0, 1], (attempt, pair)
+            won = pair.index(0)  # the winner's seed is won + 1, the other's 2 - won
+            said = (tmp_path / f"{attempt}-{2 - won}" / "log").read_text()
+            refused = f"{run_dir} is in use by another run (process {pids[attempt, won + 1]} on "
+            assert said.count(refused) == 1 and "Traceback" not in said, said
+            assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").seed == won + 1
+            assert f"seed={won + 1}" in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+            log = (run_dir / "train.log").read_text()
+            assert log.count("Run folder:") == 1 and "Training ended" in log, log
+            assert read_test(run_dir) and (run_dir / "checkpoints" / "last.pt").is_file()
+            assert not (run_dir / "run.lock").exists()
 
 
 @pytest.mark.unit
