@@ -1,6 +1,7 @@
 """Where the data come from (`dataset:` in `conf/data/`): `prepare()` finds or downloads a dataset's
-files once per machine; `split(name)` reads a split as a `Dataset` of (input, target) (one with
-`tensors()` is taken whole), sets `classes`; `cache_path` and `fingerprint` cache the decoding."""
+files once per machine; `split(name)` reads a split as a `Dataset` of (input, target) (torch's
+`TensorDataset` is taken whole), sets `classes`; `cache_path` and `fingerprint` cache the
+decoding."""
 
 from __future__ import annotations
 
@@ -21,28 +22,12 @@ from tempfile import TemporaryDirectory, TemporaryFile
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from src.engine import storage
 from src.engine.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
-
-
-class Tensors(Dataset):
-    """A split in memory (inputs N×…, targets N×…), handed over whole by `tensors()`."""
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        self.inputs, self.targets = inputs, targets
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[index], self.targets[index]
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs, self.targets
 
 
 def torchvision_dataset(name: str) -> type:
@@ -187,11 +172,11 @@ class CIFAR10(FixedSize):
             f"and {reason}. Point data.root at cifar-10-batches-py's folder, or download it online."
         )
 
-    def split(self, name: str) -> Tensors:
+    def split(self, name: str) -> TensorDataset:
         dataset = self._open(name)
         self.classes = list(dataset.classes)
         images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # N×3×32×32
-        return Tensors(images, torch.tensor(dataset.targets, dtype=torch.long))
+        return TensorDataset(images, torch.tensor(dataset.targets, dtype=torch.long))
 
     def __str__(self) -> str:
         return str(self.root / "cifar-10-batches-py")
@@ -206,8 +191,8 @@ class IDX(FixedSize):
         return find_idx_folder(self.root, self.torchvision_class) is not None
 
     def missing(self, reason: str) -> UserError:
-        for folder in idx_folders(self.root, self.torchvision_class):
-            lacking = idx_files_lacking(folder)
+        for folder in (self.root, self.root / self.torchvision_class / "raw"):
+            lacking = [name for name, path in idx_files(folder).items() if path is None]
             if 0 < len(lacking) < 4:  # some of the four are there: name the others
                 return UserError(
                     f"{folder} lacks {', '.join(lacking)} (gzipped or not) of the four "
@@ -222,9 +207,9 @@ class IDX(FixedSize):
             " then data=fashion_mnist data.root=/usr/share/datasets/fashion-mnist"
         )
 
-    def split(self, name: str) -> Tensors:
+    def split(self, name: str) -> TensorDataset:
         folder = find_idx_folder(self.root, self.torchvision_class)
-        image_path, label_path = (find_file(folder, file) for file in IDX_FILES[name])
+        image_path, label_path = map(idx_files(folder).get, IDX_FILES[name])
         images, labels = read_idx(image_path), read_idx(label_path)
         if images.shape[1:] != (28, 28):
             raise UserError(f"{image_path} holds images {tuple(images.shape)}, not N×28×28.")
@@ -241,7 +226,7 @@ class IDX(FixedSize):
                 f"{known[0]}'s). Train on them with data={known[1]} data.root={folder}, or point "
                 f"data.root at {asked}'s files."
             )
-        return Tensors(images.unsqueeze(1), labels.long())  # N×1×28×28: channels first
+        return TensorDataset(images.unsqueeze(1), labels.long())  # N×1×28×28: channels first
 
     def __str__(self) -> str:
         return str(find_idx_folder(self.root, self.torchvision_class))
@@ -294,24 +279,20 @@ def read_idx(path: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=header).view(shape)
 
 
-def find_file(folder: Path, name: str) -> Path | None:
-    """`folder/name` or `folder/name.gz`, whichever exists (the uncompressed one first)."""
-    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
-
-
-def idx_folders(root: Path, torchvision_class: str) -> tuple[Path, Path]:
-    """Where the four IDX files may be: `root` itself, or torchvision's `root/<Class>/raw`."""
-    return root, root / torchvision_class / "raw"
-
-
-def idx_files_lacking(folder: Path) -> list[str]:
-    """The names of the four IDX files that `folder` does not hold (gzipped or not)."""
-    return [name for names in IDX_FILES.values() for name in names if not find_file(folder, name)]
+def idx_files(folder: Path) -> dict[str, Path | None]:
+    """The four IDX files by name, each `folder/name` or `folder/name.gz` (the uncompressed one
+    first), None where `folder` holds neither."""
+    return {
+        name: next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+        for names in IDX_FILES.values()
+        for name in names
+    }
 
 
 def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
-    """The folder holding all four files, of `idx_folders`."""
-    return next((f for f in idx_folders(root, torchvision_class) if not idx_files_lacking(f)), None)
+    """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
+    folders = (root, root / torchvision_class / "raw")
+    return next((f for f in folders if all(idx_files(f).values())), None)
 
 
 class Converted(Dataset):

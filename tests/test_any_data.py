@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from src.datasets import Tensors
 from src.engine.data import Data
 from src.engine.errors import UserError
 from src.engine.guards import drift
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.unit
 
 class Tabular:
     """Float32 features N×20, each with one of `num_classes` classes, drawn from `seed`: a class
-    that takes two of Data's own keys. `whole`: the split hands its tensors over (`tensors()`),
+    that takes two of Data's own keys. `whole`: the split hands its tensors over (a TensorDataset),
     else it is a list of samples, decoded one at a time."""
 
     def __init__(self, num_classes: int, seed: int, count: int = 90, whole: bool = True):
@@ -37,7 +36,7 @@ class Tabular:
         features = torch.randn(self.count, 20, generator=generator) * 300
         labels = torch.randint(0, self.num_classes, (self.count,), generator=generator)
         return (
-            Tensors(features, labels)
+            TensorDataset(features, labels)
             if self.whole
             else list(zip(features, labels.tolist(), strict=True))
         )
@@ -52,7 +51,7 @@ class TorchTabular(Tabular):
         self.parts = parts
 
     def split(self, name: str):
-        features, labels = super().split(name).tensors()
+        features, labels = super().split(name).tensors
         return TensorDataset(features, labels, *[labels] * (self.parts - 2))
 
 
@@ -65,10 +64,10 @@ class NoisyTabular(Tabular):
         self.augment = augment
 
     def split(self, name: str):
-        features, labels = super().split(name).tensors()
+        features, labels = super().split(name).tensors
         if self.augment and name == "train":
             features = features + torch.randn(features.shape, generator=torch.Generator())
-        return Tensors(features, labels)
+        return TensorDataset(features, labels)
 
 
 class Tokens:
@@ -106,10 +105,10 @@ class Pictures:
     def prepare(self) -> None:
         pass
 
-    def split(self, name: str) -> Tensors:
+    def split(self, name: str) -> TensorDataset:
         generator = torch.Generator().manual_seed(int(name == "test"))
         pictures = torch.rand(self.count, 3, 8, 8, generator=generator)
-        return Tensors(pictures, pictures.flip(-1))
+        return TensorDataset(pictures, pictures.flip(-1))
 
 
 class Ragged:
@@ -225,7 +224,7 @@ def test_float_features_arrive_as_they_are(loader):
     """Not divided by 255, not cast to uint8, not normalised: the dataset's own floats, in the
     sampler's order, with their int64 class labels."""
     data = ready(data_of("Tabular", num_classes=3, loader=loader))
-    features, labels = Tabular(3, seed=1).split("train").tensors()
+    features, labels = Tabular(3, seed=1).split("train").tensors
     assert data.is_image is False and data.shape == data.input_shape == (20,)
     assert (data.in_channels, data.image_size) == (None, None)
     assert (data.target_shape, data.target_dtype) == ((), torch.int64)
@@ -236,7 +235,7 @@ def test_float_features_arrive_as_they_are(loader):
     assert_same(targets, labels[first])
     assert size == 8 and data.normalise(inputs) is inputs
     raw, _ = data.sample("test", 90)  # the whole split
-    assert_same(raw, Tabular(3, seed=1).split("test").tensors()[0])
+    assert_same(raw, Tabular(3, seed=1).split("test").tensors[0])
 
 
 @pytest.mark.parametrize("loader", ["tensor", "torch"])
@@ -259,7 +258,7 @@ def test_float_pictures_bypass_the_image_pipeline(loader):
     data = ready(data_of("Pictures", loader=loader, num_classes=None))
     assert data.is_image is False and data.input_shape == data.target_shape == (3, 8, 8)
     assert (data.in_channels, data.image_size, data.num_classes) == (None, None, None)
-    pictures, mirrored = Pictures().split("train").tensors()
+    pictures, mirrored = Pictures().split("train").tensors
     inputs, targets, _ = next(data.train_batches(1))
     first = data.train_index[data.sampler.permutation()[:8]]
     assert_same(inputs, pictures[first])
@@ -273,7 +272,7 @@ def test_a_dataset_class_receives_num_classes_and_seed():
     data = ready(data_of("Tabular", num_classes=4, seed=7))
     assert (data.source.num_classes, data.source.seed) == (4, 7)
     assert data.num_classes == 4 and data.seed == 7  # Data uses them too
-    assert_same(data.test[0], Tabular(4, seed=7).split("test").tensors()[0])
+    assert_same(data.test[0], Tabular(4, seed=7).split("test").tensors[0])
 
 
 BAD = {
