@@ -157,17 +157,24 @@ def test_two_runs_started_together_into_one_folder_one_trains_and_the_other_chan
 
 @pytest.mark.unit
 @pytest.mark.parametrize("subdir", [".hydra", None])
-def test_what_hydra_writes_is_kept_with_or_without_its_output_subdir(tmp_path, subdir):
-    """keep() notes the folder before Hydra writes in it, hydra.output_subdir=null included (no
-    .hydra/ then), and restore() puts it back: a folder made for the run removed, the log too."""
-    config = OmegaConf.create({"hydra": {"output_subdir": subdir, "job": {"name": "train"}}})
+def test_what_hydra_writes_waits_for_the_run_with_or_without_its_output_subdir(tmp_path, subdir):
+    """RunFolderCheck takes a new folder and writes Hydra's .hydra/ files into run.pending/ (none
+    with hydra.output_subdir=null), leaving Hydra none to write. A run refused before it begins
+    (settle) leaves no folder, its log gone too; an admitted one's files move in, and stay."""
     folder = tmp_path / "new" / "run"
-    made = [folder, folder.parent]
-    folder.mkdir(parents=True)
-    storage.keep(folder, config, made)
-    (folder / "train.log").write_text("a refused run's line\n")
+    hydra = {"run": {"dir": str(folder)}, "output_subdir": subdir, "job": {"name": "train"}}
+    hydra |= {"job_logging": {}, "runtime": {}, "overrides": {"task": ["seed=1"]}}
+    for admitted in (False, True):
+        config = OmegaConf.create({"seed": 1, "hydra": hydra})
+        storage.RunFolderCheck().on_run_start(config)
+        assert config.hydra.output_subdir is None and not (folder / ".hydra").exists()
+        (folder / "train.log").write_text("a line of the run\n")
+        if admitted:
+            storage.admit(folder)
+        storage.settle()
+        assert folder.exists() == admitted
+    assert (folder / "train.log").is_file() and not (folder / storage.PENDING).exists()
     if subdir:
-        (folder / subdir).mkdir()
-        (folder / subdir / "config.yaml").write_text("seed: 1\n")
-    storage.restore()
-    assert not (tmp_path / "new").exists()
+        assert OmegaConf.load(folder / subdir / "config.yaml") == {"seed": 1}
+        assert OmegaConf.load(folder / subdir / "overrides.yaml") == ["seed=1"]
+    storage.let_go(folder)

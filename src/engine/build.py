@@ -153,7 +153,7 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         log.info("Config:\n%s", text)
         storage.write_atomically(path, lambda file: file.write(text.encode()))
 
-    storage.admit()
+    storage.admit(run_dir)
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
         checkpoint.take_best(resumed, run_dir, process)
         if unwritten := storage.on_main(process, write):

@@ -65,7 +65,7 @@ def train(
                         run.logger.checkpoints(run.checkpointer.files())
                     plots.finish(run, model, fitted.step, settings.config["plots"])
     except BaseException:
-        storage.restore()  # refused before it began: its folder as it was (else nothing to do)
+        storage.settle()  # refused before it began: its folder as it was (else nothing to do)
         raise
     finally:
         teardown()

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -37,8 +36,8 @@ GONE = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
 LOCK = "run.lock"  # in the run folder while a run holds it (a kernel lock): its process id, host
 HOLDS, REFUSED = "TRAIN_HOLDS", "TRAIN_REFUSED"  # the run folder held, or refused, in this run
 _locks: dict[str, FileLock] = {}  # the run folders this process holds
-KEPT = "TRAIN_KEPT"  # names the file of what a run folder held before Hydra wrote in it
-HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # in its hydra.output_subdir
+PENDING = "run.pending"  # in the run folder: Hydra's .hydra/ files, until the run is admitted
+_begun: dict[str, Any] = {}  # the run folder this process took before Hydra wrote there
 
 
 class Fault(NamedTuple):
@@ -306,9 +305,9 @@ class RunFolderCheck(Callback):
     """The run folder before Hydra writes in it (conf/config.yaml's hydra.callbacks): checked (Hydra
     turns a callback's exception into a warning and goes on, so a bad folder ends the process
     here), and held (`take`) before anything is written there: a run refused for another's holding
-    it writes nothing there, so it has nothing to undo. The holder's files are kept (`keep`) for
-    its refusal before it begins to put back (`restore`), and Hydra's `.hydra/` files written
-    first (`write_hydra_files`), so that a full disk is one sentence."""
+    it writes nothing there. Hydra's `.hydra/` files wait in run.pending/ (`write_hydra_files`:
+    a full disk is one sentence) until the run is admitted (`admit`); a run refused before that
+    leaves an earlier run's files as they were (`settle`: its log cut back to where it stood)."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ANN001 (Hydra's DictConfig)
         if int(os.environ.get("RANK", 0)) > 0:  # a torchrun rank that writes nothing of its own
@@ -321,6 +320,8 @@ class RunFolderCheck(Callback):
         except UserError as err:
             raise SystemExit(str(err)) from None  # printed, exit status 1
         made = [p for p in (folder, *folder.parents) if not p.exists()]
+        log = folder / f"{config.hydra.job.name}.log"
+        size = log.stat().st_size if log.is_file() else None  # where a refused run cuts it back
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if refusal := take(folder):  # held() refuses it on every rank; nothing written here
@@ -332,20 +333,21 @@ class RunFolderCheck(Callback):
                         if "filename" in handler:  # its log, which that run appends to
                             hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
                 return
-            with suppress(OSError, ValueError):  # a .hydra/ file unreadable: not put back
-                keep(folder, config, made)
+            _begun.update(folder=folder, made=made, log=(log, size))
             write_hydra_files(folder, config)
         except OSError as err:
+            _begun.clear()
+            shutil.rmtree(folder / PENDING, ignore_errors=True)
             let_go(folder)
-            restore()
-            for path in made:  # where the lock or keep() failed, restore() does not know them
+            for path in made:
                 with suppress(OSError):
                     path.rmdir()
             fault = Fault.of(err)
             reason, fix = reason_and_fix(fault, folder)
+            file = os.path.relpath(fault.path, folder).removeprefix(f"{PENDING}/")  # its place
             raise SystemExit(
                 f"{folder} cannot hold the run's files: {reason} ({fault.strerror}) writing "
-                f"{os.path.relpath(fault.path, folder)}, and nothing of this run is left there. "
+                f"{file}, and nothing of this run is left there. "
                 f"{fix}, or give the run a folder on another disk (hydra.run.dir=...)."
             ) from None
 
@@ -355,72 +357,62 @@ class RunFolderCheck(Callback):
         os.environ.pop(REFUSED, None)
         if job_return.status == JobStatus.COMPLETED:
             admit()
-        else:  # refused in this process, as a self-launched run's parent may be
-            restore()
+        settle()  # refused in this process, or in the workers it started
 
 
 def write_hydra_files(folder: Path, config: DictConfig) -> None:
-    """Write the `.hydra/` files as Hydra is about to (over them, into the room they hold): a disk
-    without that room refuses them here, not in Hydra, which leaves an empty config.yaml."""
+    """Write the `.hydra/` files Hydra is about to into run.pending/ (a disk without room for them
+    refuses them here, not in Hydra, which leaves an empty config.yaml), and leave Hydra none to
+    write: they move in when the run is admitted."""
+    pending = folder / PENDING
+    shutil.rmtree(pending, ignore_errors=True)  # a killed run's
+    pending.mkdir()
     if not (subdir := config.hydra.output_subdir):
         return
-    config = copy.deepcopy(config)
-    with read_write(config.hydra), open_dict(config.hydra):
-        config.hydra.runtime.output_dir = str(folder)
+    copied = copy.deepcopy(config)
+    with read_write(copied.hydra), open_dict(copied.hydra):
+        copied.hydra.runtime.output_dir = str(folder)
     texts = {
-        "config.yaml": OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]),
-        "hydra.yaml": OmegaConf.masked_copy(config, "hydra"),
-        "overrides.yaml": config.hydra.overrides.task,
+        "config.yaml": OmegaConf.masked_copy(copied, [k for k in copied if k != "hydra"]),
+        "hydra.yaml": OmegaConf.masked_copy(copied, "hydra"),
+        "overrides.yaml": copied.hydra.overrides.task,
     }
-    (folder / subdir).mkdir(parents=True, exist_ok=True)
+    (pending / subdir).mkdir(parents=True)
     for name, node in texts.items():
         text = OmegaConf.to_yaml(node).encode()
-        write_atomically(folder / subdir / name, lambda file, text=text: file.write(text))
+        write_atomically(pending / subdir / name, lambda file, text=text: file.write(text))
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
 
 
-def keep(folder: Path, config: DictConfig, made: list[Path]) -> None:
-    """Note what of `folder` Hydra is about to write (its `.hydra/` files, its log) as it stands,
-    and the folders `made` for it, in a file named by $TRAIN_KEPT, which its processes inherit."""
-    subdir, log = config.hydra.output_subdir, f"{config.hydra.job.name}.log"
-    names = [f"{subdir}/{name}" for name in HYDRA_FILES] if subdir else []
-    files = {n: (folder / n).read_bytes().decode() for n in names if (folder / n).is_file()}
-    files |= {n: None for n in names if n not in files}  # none yet: removed
-    made = [folder / subdir] + made if subdir and not (folder / subdir).exists() else made
-    size = (folder / log).stat().st_size if (folder / log).is_file() else None
-    kept = {"folder": str(folder), "files": files, "log": [log, size], "made": list(map(str, made))}
-    descriptor, path = tempfile.mkstemp(prefix="train-kept-", suffix=".json")
-    with os.fdopen(descriptor, "w") as file:
-        json.dump(kept, file)
-    os.environ[KEPT] = path
-
-
-def admit() -> None:
-    """The run begins: what Hydra wrote in its folder stays (on rank 0)."""
-    if os.environ.get("RANK", "0") == "0" and (path := os.environ.pop(KEPT, None)):
-        Path(path).unlink(missing_ok=True)
-
-
-def restore() -> None:
-    """The folder of a run refused before it began (`admit`) as it was (on rank 0): Hydra's files
-    put back, or removed with the folders made for them, and the folder let go."""
-    if os.environ.get("RANK", "0") != "0" or os.environ.get(HOLDS) not in (None, *_locks):
-        return  # a self-launched worker's: the process that holds the folder puts it back
-    if not (path := os.environ.pop(KEPT, None)):
+def admit(folder: Path | None = None) -> None:
+    """The run begins (on rank 0): its `.hydra/` files move in from run.pending/ (of `folder`, else
+    the one this process took), over an earlier run's (renamed: no room needed)."""
+    folder = folder or _begun.get("folder")
+    pending = folder and folder / PENDING
+    if os.environ.get("RANK", "0") != "0" or not (pending and pending.is_dir()):
         return
-    with suppress(OSError, ValueError):  # admitted in another process (its workers), or gone
-        kept = json.loads(Path(path).read_text())
-        Path(path).unlink()
-        folder = Path(kept["folder"])
-        for name, text in kept["files"].items():
-            if text is None:
-                (folder / name).unlink(missing_ok=True)
-            else:
-                (folder / name).write_bytes(text.encode())
-        log, size = kept["log"]
+    for path in sorted(p for p in pending.rglob("*") if p.is_file()):
+        target = folder / path.relative_to(pending)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    shutil.rmtree(pending)
+
+
+def settle() -> None:
+    """The folder this process took, as it was if its run was refused before it began (`admit`,
+    here or in the workers it started): the pending files removed, its log cut back to where it
+    stood (none: removed), the folder let go, the folders made for it removed."""
+    if not _begun or not (_begun["folder"] / PENDING).is_dir():
+        _begun.clear()
+        return  # admitted, or begun in another process (the one that started this one)
+    folder, (log, size), made = _begun.pop("folder"), _begun.pop("log"), _begun.pop("made")
+    with suppress(OSError):
+        shutil.rmtree(folder / PENDING)
         if size is None:
-            (folder / log).unlink(missing_ok=True)
+            log.unlink(missing_ok=True)
         else:
-            os.truncate(folder / log, size)
+            os.truncate(log, size)
         let_go(folder)
-        for made in map(Path, kept["made"]):  # the innermost first; one holding files stays
-            made.rmdir()
+        for path in made:  # the innermost first; one holding files stays
+            path.rmdir()
