@@ -193,9 +193,15 @@ def refuse_records(run_dir: Path, process: Process) -> None:
 
 def refuse_fresh_start(run_dir: Path, process: Process) -> None:
     """Refuse a training run that would start afresh (no last.pt to resume) in the folder of an
-    earlier run, whose checkpoints and metrics it would replace with its own."""
-    refusal = None
-    if process.is_main and (records := records_in(run_dir)):
+    earlier run, whose records it would replace with its own: its checkpoints, and the metrics of
+    a run that ended (one stopped before its first checkpoint may start again)."""
+    refusal, records = None, []
+    if process.is_main:
+        records = sorted(str(p.relative_to(run_dir)) for p in run_dir.glob("checkpoints/[!.]*"))
+        with suppress(OSError), open(run_dir / "metrics.jsonl") as metrics:
+            if any('"test/' in line for line in metrics):  # its test: it ended
+                records.append("metrics.jsonl")
+    if records:
         best = run_dir / "checkpoints" / "best.pt"
         ways = f"run the same command with resume={best} to continue from its best epoch, or "
         refusal = (
@@ -205,16 +211,6 @@ def refuse_fresh_start(run_dir: Path, process: Process) -> None:
         )
     if refusal := process.broadcast_object(refusal):
         raise UserError(refusal)
-
-
-def records_in(folder: Path) -> list[str]:
-    """What of an earlier run `folder` holds that a new run would replace: its checkpoints, and the
-    metrics of a run that ended (one stopped before its first checkpoint may start again)."""
-    held = sorted(str(p.relative_to(folder)) for p in folder.glob("checkpoints/[!.]*"))
-    with suppress(OSError), open(folder / "metrics.jsonl") as metrics:
-        if any('"test/' in line for line in metrics):  # its test: it ended
-            held.append("metrics.jsonl")
-    return held
 
 
 @contextmanager
