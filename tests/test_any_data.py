@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
+from src.engine import guards
 from src.engine.data import Data
 from src.engine.errors import UserError
-from src.engine.guards import drift
 from src.engine.parallel import Process
 
 pytestmark = pytest.mark.unit
@@ -346,9 +346,9 @@ def test_the_drift_guard_checks_the_first_batch_of_any_targets(kind, one_rank):
     """check_first_batch gathers a hash of the first batch's targets, whatever their shape and
     dtype; the hash tells another order, another dtype and another shape apart."""
     dataset, options = KINDS[kind]
-    drift.check_first_batch(ready(data_of(dataset, **options)), one_rank)
+    guards.check_first_batch(ready(data_of(dataset, **options)), one_rank)
     tokens = torch.arange(24).view(2, 12)
-    assert drift.digest(tokens) == drift.digest(tokens.clone())
+    assert guards.digest(tokens) == guards.digest(tokens.clone())
     for other in (tokens.flip(0), tokens.int(), tokens.view(12, 2), tokens.double()):
-        assert drift.digest(other) != drift.digest(tokens)
-    assert isinstance(drift.digest(torch.rand(2, 3).bfloat16()), str)
+        assert guards.digest(other) != guards.digest(tokens)
+    assert isinstance(guards.digest(torch.rand(2, 3).bfloat16()), str)
