@@ -13,6 +13,7 @@ from torch import nn
 
 from src.engine.core.context import Callback, Parts, Progress, Run
 from src.engine.errors import UserError, refuse
+from src.engine.parallel import full, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,11 @@ class EMA(Callback):
             refuse("callbacks.ema.evaluate", evaluate, "average or raw (the weights themselves)")
         self.decay, self.evaluate = float(decay), evaluate
         self.model: nn.Module | None = None
-        self.full = lambda tensor: tensor  # the strategy's: a sharded tensor gathered whole
         self.live: dict[str, torch.Tensor] = {}  # the model's own tensors, by state_dict name
         self.average: dict[str, torch.Tensor] = {}
 
     def setup(self, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.full = run.strategy.unwrap(model), run.strategy.full
+        self.model = unwrap(model)
         tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
         self.live = {name: t.detach() for name, t in tensors if t.is_floating_point()}
         self.average = {name: t.clone() for name, t in self.live.items()}
@@ -82,7 +82,7 @@ class EMA(Callback):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole average on every rank (gathered from FSDP's shards), on the CPU."""
-        return {name: self.full(t).detach().cpu() for name, t in self.average.items()}
+        return {name: full(t).detach().cpu() for name, t in self.average.items()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

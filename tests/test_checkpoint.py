@@ -39,7 +39,7 @@ from conftest import (
     wait_for,
 )
 
-from src.engine.checkpoint import _read, check_changes, on_cpu
+from src.engine.checkpoint import OptimizerState, Weights, _read, check_changes, on_cpu
 from src.engine.errors import UserError
 
 RUN = ["logger=none", "trainer.log_every_n_steps=1"]
@@ -946,3 +946,40 @@ def test_what_a_checkpoint_holds_is_copied_to_the_cpu_keeping_its_structure():
     assert type(copied["model"]) is type(state["model"])
     assert copied["model"]._metadata == state["model"]._metadata
     assert all(copied["model"][k] is t for k, t in state["model"].items())  # on the CPU already
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("wrapper", ["none", "dp", "compile"])
+def test_the_saved_state_dicts_are_a_plain_models_and_optimizers(tmp_path, wrapper):
+    """The model's and optimizer's parts (torch.distributed.checkpoint's state dicts, in one
+    process here, gathered under FSDP in tests/test_fsdp.py), written as a save writes them: read
+    back by torch.load(weights_only=True) and loaded into a plain model and optimizer by their own
+    load_state_dict, in anyone's code; and back into the parts, the moments continuing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    wrapped = {"none": model, "dp": torch.nn.DataParallel(model), "compile": torch.compile(model)}
+    parts = {"model": Weights(wrapped[wrapper]), "optimizer": OptimizerState(optimizer, model)}
+    torch.save({name: part.state_dict() for name, part in parts.items()}, tmp_path / "last.pt")
+    saved = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert list(saved["model"]) == list(model.state_dict())  # no module. or _orig_mod.
+    assert list(saved["optimizer"]["state"]) == [0, 1, 2, 3]  # numbered, as torch's own
+
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    plain.load_state_dict(saved["model"])  # anyone's reading
+    theirs = torch.optim.Adam(plain.parameters(), lr=0.1)
+    theirs.load_state_dict(saved["optimizer"])
+    for mine, yours in ((model, plain), (optimizer, theirs)):
+        mine, yours = mine.state_dict(), yours.state_dict()
+        torch.testing.assert_close(yours, mine, rtol=0, atol=0)
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    again = torch.optim.Adam(fresh.parameters(), lr=0.2)
+    Weights(fresh).load_state_dict(saved["model"])  # the engine's reading
+    OptimizerState(again, fresh).load_state_dict(saved["optimizer"])
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
+    ours = again.state_dict()
+    torch.testing.assert_close(ours["state"], optimizer.state_dict()["state"], rtol=0, atol=0)
+    assert again.param_groups[0]["lr"] == 0.2  # this run's settings

@@ -15,8 +15,7 @@ from src.engine.build import configure_kernels
 from src.engine.config import Trainer
 from src.engine.core.context import Parts, Schedule
 from src.engine.errors import UserError
-from src.engine.parallel import Process
-from src.engine.parallel.devices import rank_gpu
+from src.engine.parallel import Process, rank_gpu
 from src.engine.parallel.dp import check_data_parallel
 from src.engine.parallel.none import Single
 from src.engine.tools.warmup import warm_up

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import compose_config, make_dataset
 from hydra.utils import instantiate
 
+from src.engine.checkpoint import OptimizerState
 from src.engine.errors import UserError
 from src.engine.parallel import Process, fsdp
 from src.models import MLP
@@ -48,7 +49,7 @@ def test_the_optimizer_state_is_saved_plain_and_loads_back(one_rank):
     optimizers = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (plain, sharded)]
     for model, optimizer in zip((plain, sharded), optimizers, strict=True):
         adam_step(model, optimizer)
-    saved = fsdp.optimizer_state(sharded, optimizers[1])
+    saved = OptimizerState(optimizers[1], sharded).state_dict()
     expected = optimizers[0].state_dict()
     assert saved["param_groups"] == expected["param_groups"]
     assert list(saved["state"]) == [0, 1, 2, 3]
@@ -58,8 +59,8 @@ def test_the_optimizer_state_is_saved_plain_and_loads_back(one_rank):
 
     fresh = fsdp.shard(MLP(1, 4, 8, 3), ["Linear"], True, None, torch.device("cpu"))
     optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    fsdp.load_optimizer_state(fresh, optimizer, copy.deepcopy(saved))
-    reloaded = fsdp.optimizer_state(fresh, optimizer)
+    OptimizerState(optimizer, fresh).load_state_dict(copy.deepcopy(saved))
+    reloaded = OptimizerState(optimizer, fresh).state_dict()
     for number, moments in saved["state"].items():
         for key, value in moments.items():
             torch.testing.assert_close(reloaded["state"][number][key], value)

@@ -39,7 +39,7 @@ def test_a_forks_mode_starts_from_the_one_it_varies(monkeypatch):
     ("target", "message"),
     [
         ("hooked_ddp.Unfinished", r"^parallel: Unfinished \(tests/hooked_ddp.py\) has no "
-         r"in_group, replicated, .*, check, setup, .*no_sync, scaler.*: a strategy answers the "
+         r"in_group, sharded, check, setup, .*no_sync, scaler.*: a strategy answers the "
          "whole protocol of src/engine/parallel/__init__.py; subclass Strategy"),
         ("hooked_ddp.Untyped", r"^tests/hooked_ddp.py: Untyped.hook = 'fp16' has no type, so it "
          "is no key of parallel: declare it as a field, `hook: str = 'fp16'`.$"),

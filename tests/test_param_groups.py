@@ -36,7 +36,6 @@ from src.engine.build import param_groups, read_settings
 from src.engine.checkpoint import OptimizerState
 from src.engine.errors import UserError
 from src.engine.parallel import fsdp
-from src.engine.parallel.none import Single
 from src.models import MLP
 
 
@@ -228,21 +227,21 @@ def test_an_optimizer_state_of_other_groups_is_refused_and_one_of_the_same_keeps
     saved = torch.optim.SGD(param_groups(model, "matrices", 0), lr=0.1, momentum=0.9,
                             weight_decay=0.5)  # fmt: skip
     sgd_step(model, saved)
-    state = OptimizerState(saved, model, Single()).state_dict()
+    state = OptimizerState(saved, model).state_dict()
     other = torch.optim.SGD(param_groups(model, "all", 0), lr=0.1, momentum=0.9)
     with pytest.raises(UserError) as refused:
-        OptimizerState(other, model, Single()).load_state_dict(copy.deepcopy(state))
+        OptimizerState(other, model).load_state_dict(copy.deepcopy(state))
     assert str(refused.value) == REFUSED and refused.value.every_rank
     assert not other.state  # nothing loaded
     three = [{"params": [model.fc1.weight]}, {"params": [model.fc1.bias]},
              {"params": [model.fc2.weight, model.fc2.bias]}]  # fmt: skip
     with pytest.raises(UserError, match=r"saved with 2 parameter groups \(of 2 and 2 parameters"
                        r"\), and this run's has 3 \(of 1, 1 and 2\): "):  # fmt: skip
-        OptimizerState(torch.optim.SGD(three, lr=0.1), model, Single()).load_state_dict(state)
+        OptimizerState(torch.optim.SGD(three, lr=0.1), model).load_state_dict(state)
     # The same groups: the moments continue, each group's settings are this run's.
     alike = torch.optim.SGD(param_groups(model, "matrices", 0), lr=0.2, momentum=0.9,
                             weight_decay=0.1)  # fmt: skip
-    OptimizerState(alike, model, Single()).load_state_dict(copy.deepcopy(state))
+    OptimizerState(alike, model).load_state_dict(copy.deepcopy(state))
     assert [(g["lr"], g["weight_decay"]) for g in alike.param_groups] == [(0.2, 0.1), (0.2, 0.0)]
     for p in model.parameters():
         assert torch.equal(alike.state[p]["momentum_buffer"], saved.state[p]["momentum_buffer"])
@@ -270,7 +269,10 @@ def test_fsdps_optimizer_state_with_groups_is_a_plain_optimizers_and_loads_back(
     ]
     for model, optimizer in zip((plain, sharded), optimizers, strict=True):
         sgd_step(model, optimizer)
-    saved, expected = fsdp.optimizer_state(sharded, optimizers[1]), optimizers[0].state_dict()
+    saved, expected = (
+        OptimizerState(optimizers[1], sharded).state_dict(),
+        optimizers[0].state_dict(),
+    )
     assert saved["param_groups"] == expected["param_groups"]
     assert [g["params"] for g in saved["param_groups"]] == [[0, 1], [2, 3]]
     for number, moments in expected["state"].items():
@@ -278,15 +280,15 @@ def test_fsdps_optimizer_state_with_groups_is_a_plain_optimizers_and_loads_back(
             torch.testing.assert_close(saved["state"][number][key], value, rtol=0, atol=0)
     fresh = fsdp.shard(MLP(1, 4, 8, 3), ["Linear"], True, None, torch.device("cpu"))
     optimizer = torch.optim.AdamW(param_groups(fresh, "matrices", 0), lr=0.2, weight_decay=0.7)
-    OptimizerState(optimizer, fresh, fsdp.FSDP()).load_state_dict(copy.deepcopy(saved))
+    OptimizerState(optimizer, fresh).load_state_dict(copy.deepcopy(saved))
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.7, 0.0]  # this run's
-    reloaded = fsdp.optimizer_state(fresh, optimizer)
+    reloaded = OptimizerState(optimizer, fresh).state_dict()
     for number, moments in saved["state"].items():
         for key, value in moments.items():
             torch.testing.assert_close(reloaded["state"][number][key], value, rtol=0, atol=0)
     with pytest.raises(UserError, match="saved with 2 parameter groups"):
         one = torch.optim.AdamW(param_groups(fresh, "all", 0), lr=0.2)
-        OptimizerState(one, fresh, fsdp.FSDP()).load_state_dict(copy.deepcopy(saved))
+        OptimizerState(one, fresh).load_state_dict(copy.deepcopy(saved))
 
 
 # test_equivalence.py's recipe (SGD with momentum, 27 steps of the MLP), with weight decay and no

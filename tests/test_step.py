@@ -289,7 +289,7 @@ def test_float16_resumes_from_a_checkpoint_saved_without_loss_scaling():
     streams = RandomState(Process(), 0, Single())
     load_parts(
         {
-            "optimizer": OptimizerState(resumed.optimizer, resumed.model, Single()),
+            "optimizer": OptimizerState(resumed.optimizer, resumed.model),
             "scheduler": resumed.schedule,
             "scaler": resumed.scaler,
             "rng": streams,

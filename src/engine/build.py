@@ -32,7 +32,7 @@ from src.engine.data import kind
 from src.engine.errors import UserError, first_line, refuse, where
 from src.engine.guards import NonFinite, UnwrittenMetrics, check_count, preflight
 from src.engine.logger import MetricsLogger, open_logger
-from src.engine.parallel import PROTOCOL, Process, Strategy
+from src.engine.parallel import PROTOCOL, Process, Strategy, own_keys, unwrap
 from src.engine.tools.overfit import Overfit
 from src.engine.tools.profiler import Profiler
 from src.engine.tools.progress import ProgressBar, Speed
@@ -134,7 +134,7 @@ def build_strategy(node: Any) -> Strategy:
             every_rank=True,
         )
     node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-    return typed(cls, {k: v for k, v in node.items() if k != "_target_"}, "parallel")
+    return typed(cls, own_keys(cls, {k: v for k, v in node.items() if k != "_target_"}), "parallel")
 
 
 @contextmanager
@@ -184,8 +184,8 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
     data.setup(process, trainer.dtype, trainer.memory_format)
     hooks = [WarmUp()] if trainer.warmup_steps else []  # before the signal handlers
     hooks += [UnwrittenMetrics(), NonFinite()]  # checked in this order
-    if (every := settings.parallel.drift_every) is not None:  # the ranks' weights compared
-        hooks.append(guards.DriftGuard(every))
+    if (every := getattr(settings.parallel, "check_sync_every_n_steps", None)) is not None:
+        hooks.append(guards.DriftGuard(every))  # the ranks' weights compared
     hooks.append(build_callbacks(cfg))  # the config's callbacks= list
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
     if (below := (settings.config.get("debug") or {}).get("overfit_below")) is not None:
@@ -239,7 +239,7 @@ def build_model(cfg: DictConfig, run: Run, weights: tuple | None) -> nn.Module:
     preflight(model, data, run.task, cfg.model.get("_target_"))
     shards = weights and weights[1].get(checkpoint.SHARDS)  # checkpoint.sharded=true's folder
     if weights and not shards:
-        checkpoint.Weights(model, strategy, weights[0]).load_state_dict(weights[1]["model"])
+        checkpoint.Weights(model, weights[0]).load_state_dict(weights[1]["model"])
     guards.check_start(model, process)  # in a process group: every rank's weights are rank 0's
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -255,7 +255,7 @@ def build_parts(
     """The optimizer, schedule, scaler and progress (fresh or `resumed`), and their checkpointer."""
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     decay = cfg.optimizer.get("weight_decay") or 0.0  # what a model's own groups are given
-    groups = param_groups(strategy.unwrap(model), trainer.weight_decay_on, decay)
+    groups = param_groups(unwrap(model), trainer.weight_decay_on, decay)
     optimizer = instantiated("optimizer", cfg.optimizer, groups, values=True)
     check_optimizer(optimizer.defaults)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
@@ -269,8 +269,8 @@ def build_parts(
     best = Best(policy.monitor, policy.mode) if run.settings.validates else None
     progress = Progress(best=best, batch_size=data.batch_size, train_size=data.size("train"))
     parts = {
-        "model": checkpoint.Weights(strategy.unwrap(model), strategy),
-        "optimizer": checkpoint.OptimizerState(optimizer, model, strategy),
+        "model": checkpoint.Weights(model),
+        "optimizer": checkpoint.OptimizerState(optimizer, model),
         "scheduler": schedule,
         "scaler": scaler,  # {} unless trainer.precision=16
         "progress": progress,

@@ -27,11 +27,14 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from src.engine import storage
 from src.engine.config import Checkpointing, Settings
 from src.engine.errors import UserError, first_line, where
-from src.engine.parallel import Process, Strategy
+from src.engine.parallel import Process, Strategy, unwrap
 
 log = logging.getLogger(__name__)
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DataParallel/DDP and torch.compile prepend
+# Whole state dicts (torch.distributed.checkpoint's, in every mode) on rank 0's CPU only, {} on the
+# other ranks: no device holds two copies, and rank 0 writes.
+WHOLE = {"full_state_dict": True, "cpu_offload": True}
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 # checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
 SHARDS, SHARDED = "shards", ("model", "optimizer")
@@ -57,28 +60,51 @@ class Unusable(UserError):
 
 
 class Weights:
-    """The model's part: the plain model's whole `state_dict`, checked, loaded before wrapping."""
+    """The model's part: its whole `state_dict` through torch.distributed.checkpoint, gathered from
+    the shards where the mode shards them; loaded checked, and in a process group from rank 0's."""
 
-    def __init__(self, model: nn.Module, strategy: Strategy, path: Path | str = "the checkpoint"):
-        self.model, self.strategy, self.path = model, strategy, path
+    def __init__(self, model: nn.Module, path: Path | str = "the checkpoint"):
+        self.model, self.path = unwrap(model), path
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.strategy.model_state(self.model)
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        return dsd.get_model_state_dict(self.model, options=dsd.StateDictOptions(**WHOLE))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(checked_weights(self.model, self.path, state))
+        load_whole(self.model, checked_weights(self.model, self.path, state))
+
+
+def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load the whole, checked `state` into `model`; in a process group, rank 0's, sent to the
+    other ranks (where it may be {}) and sharded where the mode shards the model."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    broadcast = torch.distributed.is_initialized()
+    options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    dsd.set_model_state_dict(unwrap(model), state, options=options)
 
 
 class OptimizerState:
-    """The optimizer's part: its moments continue, its settings (lr, betas) stay this config's."""
+    """The optimizer's part: its moments continue, its settings (lr, betas) stay this config's.
+    Saved as one process's `optimizer.state_dict()` numbers its parameters, whatever the mode."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, strategy: Strategy):
-        self.optimizer, self.model, self.strategy = optimizer, model, strategy
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        self.optimizer, self.model = optimizer, unwrap(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.optimizer_state(self.model, self.optimizer)
+        """Whole on rank 0 ({} on the others); torch.distributed.checkpoint names the parameters."""
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        options = dsd.StateDictOptions(**WHOLE)
+        state = dsd.get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        names = [name for group in state.get("param_groups", []) for name in group["params"]]
+        return _rekeyed(state, {name: number for number, name in enumerate(names)}) if state else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a plain `optimizer.state_dict()`, which every rank holds."""
+        from torch.distributed.checkpoint import state_dict as dsd
+
         groups = self.optimizer.param_groups
         # Its moments are numbered by their place in the groups: only the same groups match them.
         saved, ours = ([len(g["params"]) for g in gs] for gs in (state["param_groups"], groups))
@@ -93,7 +119,22 @@ class OptimizerState:
                 every_rank=True,
             )
         with self.settings_kept():
-            self.strategy.load_optimizer_state(self.model, self.optimizer, state)
+            if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings
+                self.optimizer.load_state_dict(state)
+                return
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            state = _rekeyed(state, [names[id(p)] for g in groups for p in g["params"]])
+            # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this)
+            # are left out: the settings are this config's anyway (settings_kept), the moments
+            # continue.
+            state["param_groups"] = [
+                {k: v for k, v in saved.items() if k in group or k == "params"}
+                for saved, group in zip(state["param_groups"], groups, strict=True)
+            ]
+            # Not strict: parameters that never had a gradient have no state, as in a plain
+            # optimizer.
+            options = dsd.StateDictOptions(full_state_dict=True, strict=False)
+            dsd.set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
     @contextmanager
     def settings_kept(self) -> Iterator[None]:
@@ -104,6 +145,12 @@ class OptimizerState:
         for group, fresh in zip(self.optimizer.param_groups, chosen, strict=True):
             group.pop("initial_lr", None)  # the saved schedule's start: this config's is in fresh
             group.update(fresh)
+
+
+def _rekeyed(state: dict[str, Any], key: Any) -> dict[str, Any]:
+    """`state` with each parameter's key `k` replaced by `key[k]` (numbers for names, or back)."""
+    groups = [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]]
+    return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": groups}
 
 
 class RandomState:
@@ -307,7 +354,7 @@ class Checkpointer:
     def _save_shards(self, path: Path, step: int) -> Path:
         """checkpoint.sharded=true: every rank writes its shards into a new folder beside `path`,
         which the file names; the previous file's folder stays whole until the file is replaced."""
-        process, model = self.process, self.strategy.unwrap(self.parts["model"].model)
+        process, model = self.process, self.parts["model"].model
         optimizer = self.parts["optimizer"].optimizer
         shards = path.parent / process.broadcast_object(f"shards-{uuid.uuid4().hex[:12]}")
         # Rank 0's BatchNorm statistics on every rank, as the plain checkpoint saves them: the
@@ -352,7 +399,7 @@ class Checkpointer:
         path, process, error, state = self.best, self.process, None, {}
         if process.is_main:
             try:
-                state = _checked_best(path, self.strategy.unwrap(model), self.strategy)
+                state = _checked_best(path, unwrap(model), self.strategy)
             except UserError as err:
                 error = str(err)
         if error := storage.agree(process, error):
@@ -360,7 +407,7 @@ class Checkpointer:
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
             self.strategy.load_shards(model, Path(shards))
         else:
-            self.strategy.load_model_state(model, state.get("model", {}), process)
+            load_whole(model, state.get("model", {}))
         forks = {n: p for n, p in self.parts.items() if n in ("task", "callbacks")}
         load_parts(forks, process.broadcast_object({n: state.get(n) for n in forks}))
 
@@ -371,7 +418,7 @@ def _checked_best(path: Path, model: nn.Module, strategy: Strategy) -> dict[str,
     state = _checked(path, weights_only=True)
     if SHARDS not in state:
         state["model"] = checked_weights(model, path, state["model"])
-    elif not strategy.shards_checkpoints:
+    elif not strategy.sharded:
         raise Unusable(path, *IN_SHARDS)
     else:
         check_saved(model, path, strategy.saved_tensors(Path(state[SHARDS])))
@@ -452,7 +499,7 @@ def load(path: Path, process: Process, strategy: Strategy, weights_only: bool = 
         error = str(err)
     if error := storage.agree(process, error):
         raise UserError(error)
-    if SHARDS in state and not strategy.shards_checkpoints:
+    if SHARDS in state and not strategy.sharded:
         raise Unusable(path, *IN_SHARDS)
     return state
 
@@ -573,7 +620,7 @@ def checked_weights(model: nn.Module, path: Path | str, state: dict) -> dict[str
 
 def load_shards(model: nn.Module, path: Path, shards: str, strategy: Strategy) -> None:
     """Every rank loads its part of the model's weights from the checkpoint at `path`'s `shards`."""
-    check_saved(strategy.unwrap(model), path, strategy.saved_tensors(Path(shards)))
+    check_saved(unwrap(model), path, strategy.saved_tensors(Path(shards)))
     strategy.load_shards(model, Path(shards))
 
 

@@ -35,7 +35,7 @@ from src.engine.core.loop import global_count, handling, interrupted, nothing_co
 from src.engine.core.task import Task, float64_sum
 from src.engine.data import Data, labels_of
 from src.engine.errors import UserError, first_line
-from src.engine.parallel import Process
+from src.engine.parallel import Process, local, unwrap
 
 
 class NonFiniteLoss(CompactHydraException):
@@ -58,8 +58,8 @@ class NonFinite(Hook):
         bad = (~torch.isfinite(torch.stack(losses))).nonzero() if losses else []
         self.first_bad = steps[bad[0].item()] if len(bad) else None
         self.losses = []
-        tensors = run.strategy.unwrap(weights).state_dict().values() if weights is not None else []
-        checks = [run.strategy.local(t).isfinite().all() for t in tensors if t.is_floating_point()]
+        tensors = unwrap(weights).state_dict().values() if weights is not None else []
+        checks = [local(t).isfinite().all() for t in tensors if t.is_floating_point()]
         return [self.first_bad is not None, bool(checks) and not torch.stack(checks).all().item()]
 
     def agreed(
@@ -345,7 +345,7 @@ class DriftGuard(Hook):
     def agreed(
         self, run: Run, progress: Progress, sums: list[float], weights: nn.Module | None
     ) -> None:
-        named = list(run.strategy.unwrap(weights).named_parameters()) if weights is not None else []
+        named = list(unwrap(weights).named_parameters()) if weights is not None else []
         if drifted := differing(run.process, named):
             name, rank = next(iter(drifted.items()))
             raise Drifted(

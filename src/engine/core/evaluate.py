@@ -85,7 +85,7 @@ def evaluate(run: Run, model: nn.Module, split: str) -> dict[str, Any]:
         model.eval()
         sums: dict[str, float] = {}
         # Where every forward is collective (FSDP), each rank runs as many as the one with the most.
-        for inputs, targets in run.data.eval_batches(split, even=run.strategy.even_eval):
+        for inputs, targets in run.data.eval_batches(split, even=run.strategy.sharded):
             with run.autocast():
                 outputs = model(inputs)
             batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}

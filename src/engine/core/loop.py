@@ -21,7 +21,7 @@ from torch import nn
 from src.engine.core.context import Parts, Progress, Run
 from src.engine.core.evaluate import Fitted, evaluate_and_log
 from src.engine.errors import Stopped, UserError
-from src.engine.parallel import Process
+from src.engine.parallel import Process, full
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def train_step(
     if trainer.gradient_clip_val is not None or measure_norm:
         scaler.unscale_(optimizer)  # the true gradients (float16's scaler multiplied them)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = strategy.full(nn.utils.get_total_norm(grads))  # of all the shards
+        grad_norm = full(nn.utils.get_total_norm(grads))  # of all the shards
         if trainer.gradient_clip_val is not None:
             nn.utils.clip_grads_with_norm_(model.parameters(), trainer.gradient_clip_val, grad_norm)
     scaler.step(optimizer)  # float16: skipped when a gradient is not finite, then a lower scale

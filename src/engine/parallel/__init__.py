@@ -1,9 +1,12 @@
 """The parallel modes, one strategy each, and the `Process` a strategy sets up (this rank: its
 device, its collectives). A strategy's fields are its mode's keys (`conf/parallel/<mode>.yaml`);
 what differs between modes is one of its methods, so the loop, the checkpoint and the data ask it,
-never the mode's name. `Strategy` is one process on one device; other modes override it."""
+never the mode's name. `Strategy` is one process on one device; other modes override it. What
+every mode does alike is a function here: unwrapping a model, a sharded tensor's parts, the device
+a process trains on."""
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -13,10 +16,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
 from src.engine.errors import Checked, UserError
-from src.engine.parallel.devices import one_device
 
 
 @dataclass(frozen=True)
@@ -84,24 +85,14 @@ class Strategy(Checked):
     section = "parallel"
     name: ClassVar[str] = "none"  # how messages and logs call the mode
     in_group: ClassVar[bool] = False  # a process per device in a process group (torchrun's)
-    replicated: ClassVar[bool] = True  # every rank holds the whole model (the drift guard checks)
-    even_eval: ClassVar[bool] = False  # evaluation's forwards are collective: as many on each rank
-    shards_checkpoints: ClassVar[bool] = False  # sharded: save_shards, load_shards, saved_tensors
-    drift_every: ClassVar[int | str | None] = None  # the drift guard's checks (ddp's key)
-    syncs_batchnorm: ClassVar[bool] = False  # takes parallel.sync_batchnorm=true
-    sync_batchnorm: bool = False  # DDP only: BatchNorm statistics over all ranks' shares (CUDA)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sync_batchnorm and not self.syncs_batchnorm:
-            raise UserError(
-                "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
-                f"and parallel={self.name} trains in one: use parallel=ddp, or leave it false."
-            )
+    # Each rank holds a part of every parameter (FSDP): evaluation's forwards are collective (as
+    # many on each rank), the drift guard has no copies to compare, and checkpoint.sharded=true
+    # writes each rank's part (the mode's save_shards, load_shards and saved_tensors).
+    sharded: ClassVar[bool] = False
 
     def check(self, settings: Any) -> None:
         """Refuse, in one sentence, what this mode cannot do with the other sections' settings."""
-        if settings.checkpoint.sharded and not self.shards_checkpoints:
+        if settings.checkpoint.sharded and not self.sharded:
             raise UserError(
                 "checkpoint.sharded=true writes each FSDP rank's shards, and parallel="
                 f"{self.name} holds whole weights: use parallel=fsdp, or leave it false."
@@ -114,12 +105,6 @@ class Strategy(Checked):
     def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
         """The model as this mode trains it (compiled where `trainer.compile` asks)."""
         return compiled(model, trainer)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """The plain model inside what `wrap` made of it."""
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
     def evaluated(self, model: nn.Module) -> nn.Module:
         """The model each rank evaluates its share of a split with."""
@@ -135,33 +120,6 @@ class Strategy(Checked):
 
     def seed_devices(self, seed: int) -> None:
         """Seed what this mode draws random numbers on beyond the default generators."""
-
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a sharded tensor."""
-        return tensor
-
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole of a sharded tensor (a collective)."""
-        return tensor
-
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The plain model's whole `state_dict` (on the main process; every rank calls it)."""
-        return self.unwrap(model).state_dict()
-
-    def load_model_state(self, model: nn.Module, state: dict, process: Process) -> None:
-        """Load the whole `state_dict` the main process holds ({} on the others) on every rank."""
-        model = self.unwrap(model)
-        if process.is_main:
-            model.load_state_dict(state)
-        process.broadcast_tensors(model.state_dict().values())
-
-    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict:
-        """`optimizer.state_dict()` as one process's optimizer holds it."""
-        return optimizer.state_dict()
-
-    def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict) -> None:
-        """Load what `optimizer_state` gave."""
-        optimizer.load_state_dict(state)
 
 
 # What the loop, the checkpoint and the launcher call: a class that lacks one is refused.
@@ -181,6 +139,46 @@ def strategies() -> list[type[Strategy]]:
     return [c for c in found if c.__module__.endswith(f".{c.name}")]
 
 
+def own_keys(cls: type[Strategy], keys: dict[str, Any]) -> dict[str, Any]:
+    """`keys` for the mode `cls`, less DDP's that it lacks: false (a ddp command line moved over),
+    they change nothing; true, one sentence says what this mode does instead."""
+    said = {}
+    if cls.sharded:
+        said = {
+            "sync_batchnorm": f"is DDP's: parallel={cls.name} normalises each rank's share by its "
+            "own statistics. Use parallel=ddp for SyncBatchNorm, or leave it false.",
+            "find_unused_parameters": "is DDP's: FSDP needs no search for parameters without a "
+            f"gradient. Leave it false with parallel={cls.name}.",
+        }
+    elif not cls.in_group:
+        said = {
+            "sync_batchnorm": "syncs BatchNorm's statistics across DDP processes, and parallel="
+            f"{cls.name} trains in one: use parallel=ddp, or leave it false."
+        }
+    for key in said.keys() & keys.keys():
+        if keys[key]:
+            raise UserError(f"parallel.{key}=true {said[key]}")
+    return {key: value for key, value in keys.items() if key not in said}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside what a strategy's `wrap` made of it (FSDP's shards it in place)."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+
+
+# A DTensor (FSDP's sharded parameter) is told by its methods: DTensor itself is not imported.
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor; a whole one as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor (a collective); a whole one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def compiled(model: nn.Module, trainer: Any) -> nn.Module:
     """The model compiled as `trainer.compile` asks."""
     if not trainer.compile:
@@ -194,3 +192,55 @@ def teardown() -> None:
     """Leave the process group, if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
+    """`auto` is the first of cuda, mps, cpu that this machine has; anything else is checked."""
+    if requested == "auto":
+        mps = allow_mps and torch.backends.mps.is_available()
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise UserError(
+            f"device={requested} is not a device. Use auto, cpu, cuda, cuda:N or mps."
+        ) from None
+    absent = {"cuda": "no CUDA GPU is visible", "mps": "MPS is not available"}.get(device.type)
+    backend = torch.cuda if device.type == "cuda" else torch.backends.mps
+    if absent and not backend.is_available():
+        raise UserError(f"device={requested}, but {absent}. Use device=auto or device=cpu.")
+    if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+        raise UserError(
+            f"device={requested}, but this machine shows {count} GPU(s), cuda:0 to "
+            f"cuda:{count - 1}. Pick one of them, or device=auto."
+        )
+    return device
+
+
+def one_device(requested: str, trainer: Any, mode: str) -> torch.device:
+    """The device of a mode that trains in one process (none, dp), refused under torchrun."""
+    if (world_size := int(os.environ.get("WORLD_SIZE", 1))) > 1:
+        raise UserError(
+            f"torchrun started {world_size} processes, but parallel={mode} trains in one. Add "
+            f"parallel=ddp (or fsdp), or run python train.py parallel={mode} without torchrun."
+        )
+    device = pick_device(requested)
+    if device.type == "mps" and trainer.precision == "64":
+        raise UserError(
+            "trainer.precision=64, but mps has no float64: use device=cpu, or trainer.precision=32."
+        )
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # else the CUDA context and pinned-memory thread use GPU 0
+    return device
+
+
+def rank_gpu(local_rank: int, count: int, visible: str | None) -> int:
+    """`local_rank`'s GPU of the `count` visible: its own, or the one a cluster shows each rank."""
+    if local_rank < count:
+        return local_rank
+    if count == 1 and visible is not None and "," not in visible:
+        return 0
+    raise UserError(
+        f"torchrun started more processes on this machine than the {count} GPUs it sees "
+        f"(local rank {local_rank}). Use --nproc_per_node={count} or fewer."
+    )

@@ -16,7 +16,7 @@ from src.engine.parallel.group import GroupStrategy
 @dataclass
 class DDP(GroupStrategy):
     name: ClassVar[str] = "ddp"
-    syncs_batchnorm: ClassVar[bool] = True
+    sync_batchnorm: bool = False  # BatchNorm statistics over all ranks' shares (CUDA GPUs only)
     find_unused_parameters: bool = False  # search each step for parameters with no grad (slower)
     bucket_cap_mb: float = above(0, 25)  # MiB of gradients all-reduced together in one bucket
     gradient_as_bucket_view: bool = False  # gradients alias the all-reduce buckets (less memory)
@@ -29,8 +29,6 @@ class DDP(GroupStrategy):
         said = "eval (before each validation and save), N >= 1 (also every N steps) or null"
         if not (every in (None, "eval") or (type(every) is int and every >= 1)):  # not a bool
             refuse("parallel.check_sync_every_n_steps", every, said)
-
-    drift_every = property(lambda self: self.check_sync_every_n_steps)  # the protocol's name
 
     def check(self, settings: Any) -> None:
         super().check(settings)

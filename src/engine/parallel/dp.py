@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from src.engine.errors import UserError
-from src.engine.parallel import Process, Strategy
-from src.engine.parallel.devices import one_device
+from src.engine.parallel import Process, Strategy, one_device
 
 log = logging.getLogger(__name__)
 

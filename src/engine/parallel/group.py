@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from src.engine import launch
 from src.engine.errors import UserError, above, first_line, least, one_of, refuse
-from src.engine.parallel import Process, Strategy
-from src.engine.parallel.devices import pick_device, rank_gpu
+from src.engine.parallel import Process, Strategy, pick_device, rank_gpu
 
 log = logging.getLogger(__name__)
 

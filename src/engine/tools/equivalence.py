@@ -25,7 +25,7 @@ from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import fit
 from src.engine.errors import UserError, first_line
 from src.engine.guards import differing
-from src.engine.parallel.devices import pick_device
+from src.engine.parallel import pick_device, unwrap
 
 log = logging.getLogger("equivalence")
 
@@ -237,7 +237,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     settings = replace(run.settings, trainer=trainer, task=build.build_task(cfg), checkpoint=policy)
     run = replace(run, settings=settings, hooks=Hooks([build.build_callbacks(cfg), Watcher(trace)]))
     model = build.build_model(cfg, run, weights)
-    dropouts_off(run.strategy.unwrap(model))
+    dropouts_off(unwrap(model))
     # The schedule planned as configured; then only debug.steps of it, whatever the config's
     # epochs, a check after each step.
     parts, progress, run.checkpointer = build.build_parts(cfg, run, model, None)
@@ -254,7 +254,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     for split in ("val", "test"):  # through its callbacks: the weights they evaluate (an average)
         if data.size(split):
             trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
-    state = run.strategy.model_state(model)  # gathered onto rank 0 where the mode shards it
+    state = checkpoint.Weights(model).state_dict()  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return trace
 
@@ -268,15 +268,15 @@ class Watcher(Hook):
         self.directions: dict[str, torch.Tensor] = {}  # each tensor's, made once
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
-        model, process = run.strategy.unwrap(parts.model), run.process
+        model, process = unwrap(parts.model), run.process
         trace, step, parameters = self.trace, progress.step, list(model.named_parameters())
         trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
-        whole = run.strategy.model_state(parts.model)  # gathered onto rank 0 where sharded
+        whole = checkpoint.Weights(parts.model).state_dict()  # gathered onto rank 0 if sharded
         trace.projected.append(projections(whole, self.directions))
         if step == 1:
             trace.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
             trace.rank_buffers = list(differing(process, list(model.named_buffers())))
-        if trace.drifted is None and run.strategy.replicated:  # sharded: each rank its own part
+        if trace.drifted is None and not run.strategy.sharded:  # sharded: each rank its own part
             found = differing(process, parameters)
             trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
         if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
@@ -421,7 +421,7 @@ def likely_causes(
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
     ]
     layers = f"BatchNorm layers ({', '.join(norms[:5])})"
-    if norms and strategy.sync_batchnorm:
+    if norms and getattr(strategy, "sync_batchnorm", False):
         causes.append(
             f"{layers} normalise each micro-batch by its own statistics, which no setting changes "
             "(parallel.sync_batchnorm=true covers the processes only)"
@@ -557,7 +557,7 @@ def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
     """The config's model as one process builds it, dropout off, its run, and its first batch."""
     model = build.build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
     model.train()
-    dropouts_off(run.strategy.unwrap(model))
+    dropouts_off(unwrap(model))
     return model, run, next(run.data.train_batches(1))
 
 

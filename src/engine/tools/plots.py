@@ -15,6 +15,7 @@ from src.engine.core.context import Run
 from src.engine.core.task import Task
 from src.engine.data import Data
 from src.engine.logger import logged, measured
+from src.engine.parallel import unwrap
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,7 +44,7 @@ def finish(run: Run, model: nn.Module, step: int, pictures: bool) -> None:
     storage refused a file of the run (none leaves the process group while another uses it)."""
     unwritten = run.logger and run.logger.fault  # metrics.jsonl, refused by the storage
     # Every rank predicts: under FSDP a forward needs them all.
-    shown = predict(run.strategy.unwrap(model), run.data, run.task) if pictures else None
+    shown = predict(unwrap(model), run.data, run.task) if pictures else None
     if pictures and run.process.is_main and not unwritten:
         unwritten = storage.attempt(lambda: run.logger.log_images(draw(run.run_dir, shown)))
     kept = run.checkpointer and run.checkpointer.kept

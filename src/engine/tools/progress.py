@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from src.engine.core.context import Hook, Parts, Progress, Run
+from src.engine.parallel import local
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Speed(Hook):
         speed["memory/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if device.type == "cuda":
             speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        speed["memory/state_mb"] = state = state_mb(parts, run.strategy.local)
+        speed["memory/state_mb"] = state = state_mb(parts, local)
         peak = speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"])
         epoch = progress.epoch
         if epoch % run.trainer.log_every_n_epochs == 0 or epoch == run.trainer.epochs:

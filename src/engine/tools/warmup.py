@@ -15,6 +15,7 @@ from src.engine import checkpoint
 from src.engine.core.context import Hook, Parts, Progress, Run
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import train_step
+from src.engine.parallel import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def warm_up(run: Run, parts: Parts, step: int) -> None:
     """Train `trainer.warmup_steps` steps (at least 2) on an epoch's first batches and two on its
     last, evaluate once, then put back the weights, optimizer, scaler and random generators."""
     started = time.perf_counter()
-    undone = (run.strategy.unwrap(parts.model), parts.optimizer, parts.scaler)
+    undone = (unwrap(parts.model), parts.optimizer, parts.scaler)
     saved, rng = copy.deepcopy([part.state_dict() for part in undone]), checkpoint.rng_state()
     # Each batch shape at least twice: CUDA graph trees run a new graph once, then record it.
     steps = min(max(run.trainer.warmup_steps, 2), run.data.steps_per_epoch)
