@@ -132,7 +132,9 @@ class OptimizerState:
                 for saved, group in zip(state["param_groups"], groups, strict=True)
             ]
             # Not strict: parameters that never had a gradient have no state, as in a plain
-            # optimizer.
+            # optimizer. The state it loads into is made by a step on zero gradients, which it
+            # skips where gradients are left (of no step: this loads before training).
+            self.optimizer.zero_grad(set_to_none=True)
             options = dsd.StateDictOptions(full_state_dict=True, strict=False)
             dsd.set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
