@@ -93,7 +93,7 @@ def test_adam_resumes_with_its_step_counters_on_the_cpu(tmp_path):
     fresh = torch.optim.Adam(model.parameters())
     state |= {"rng": [checkpoint.rng_state()]}
     parts = {
-        "optimizer": OptimizerState(fresh, model, Single()),
+        "optimizer": OptimizerState(fresh, model),
         "rng": RandomState(Process(), 0, Single()),
     }
     load_parts(parts, state)

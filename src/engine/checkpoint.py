@@ -183,14 +183,12 @@ class RandomState:
 
 def on_cpu(value: Any) -> Any:
     """`value` (nested dicts, lists, tuples) with its tensors on the CPU, so that the file loads
-    where no GPU is; the tensors already there are not copied."""
+    where no GPU is (the model's and optimizer's are there already, `WHOLE`: a fork's part may
+    keep its own on a GPU); the tensors already there are not copied."""
     if torch.is_tensor(value):
         return value.cpu()
     if isinstance(value, dict):
-        copied = type(value)((key, on_cpu(item)) for key, item in value.items())
-        if hasattr(value, "_metadata"):  # a state_dict's module versions, for load_state_dict
-            copied._metadata = value._metadata
-        return copied
+        return type(value)((key, on_cpu(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return type(value)(on_cpu(item) for item in value)
     return value
