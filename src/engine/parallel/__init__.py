@@ -99,12 +99,32 @@ class Strategy(Checked):
             )
 
     def setup(self, device: str, trainer: Any) -> Process:
-        """This process, on `device` (auto: the best this machine has)."""
-        return Process(device=one_device(device, trainer, self.name))
+        """This process, on `device` (auto: the best this machine has), refused under torchrun."""
+        if (world_size := int(os.environ.get("WORLD_SIZE", 1))) > 1:
+            raise UserError(
+                f"torchrun started {world_size} processes, but parallel={self.name} trains in "
+                f"one. Add parallel=ddp (or fsdp), or run python train.py parallel={self.name} "
+                "without torchrun."
+            )
+        found = pick_device(device)
+        if found.type == "mps" and trainer.precision == "64":
+            raise UserError(
+                "trainer.precision=64, but mps has no float64: use device=cpu, or "
+                "trainer.precision=32."
+            )
+        if found.type == "cuda" and found.index is not None:
+            torch.cuda.set_device(found)  # else the CUDA context and pinned-memory thread use GPU 0
+        return Process(device=found)
 
     def wrap(self, model: nn.Module, trainer: Any) -> nn.Module:
-        """The model as this mode trains it (compiled where `trainer.compile` asks)."""
-        return compiled(model, trainer)
+        """The model as this mode trains it: compiled where `trainer.compile` asks (a mode wraps
+        what this gives, or gives this its sharded model)."""
+        if not trainer.compile:
+            return model
+        mode = None if trainer.compile is True else trainer.compile
+        # CUDA graphs record one per batch shape: static shapes, compiled in the warm-up, not
+        # mid-epoch.
+        return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
 
     def evaluated(self, model: nn.Module) -> nn.Module:
         """The model each rank evaluates its share of a split with."""
@@ -179,15 +199,6 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def compiled(model: nn.Module, trainer: Any) -> nn.Module:
-    """The model compiled as `trainer.compile` asks."""
-    if not trainer.compile:
-        return model
-    mode = None if trainer.compile is True else trainer.compile
-    # CUDA graphs record one per batch shape: static shapes, compiled in the warm-up, not mid-epoch.
-    return torch.compile(model, mode=mode, dynamic=False if mode == "reduce-overhead" else None)
-
-
 def teardown() -> None:
     """Leave the process group, if this process joined one."""
     if dist.is_initialized():
@@ -214,23 +225,6 @@ def pick_device(requested: str, allow_mps: bool = True) -> torch.device:
             f"device={requested}, but this machine shows {count} GPU(s), cuda:0 to "
             f"cuda:{count - 1}. Pick one of them, or device=auto."
         )
-    return device
-
-
-def one_device(requested: str, trainer: Any, mode: str) -> torch.device:
-    """The device of a mode that trains in one process (none, dp), refused under torchrun."""
-    if (world_size := int(os.environ.get("WORLD_SIZE", 1))) > 1:
-        raise UserError(
-            f"torchrun started {world_size} processes, but parallel={mode} trains in one. Add "
-            f"parallel=ddp (or fsdp), or run python train.py parallel={mode} without torchrun."
-        )
-    device = pick_device(requested)
-    if device.type == "mps" and trainer.precision == "64":
-        raise UserError(
-            "trainer.precision=64, but mps has no float64: use device=cpu, or trainer.precision=32."
-        )
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # else the CUDA context and pinned-memory thread use GPU 0
     return device
 
 

@@ -9,7 +9,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.engine.errors import UserError, above, refuse
-from src.engine.parallel import compiled
 from src.engine.parallel.group import GroupStrategy
 
 
@@ -48,7 +47,7 @@ class DDP(GroupStrategy):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.sync_batchnorm else model
         device = next(model.parameters()).device
         return DistributedDataParallel(
-            compiled(model, trainer),
+            super().wrap(model, trainer),  # compiled inside DDP
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters,
             bucket_cap_mb=self.bucket_cap_mb,

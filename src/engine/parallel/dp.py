@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from src.engine.errors import UserError
-from src.engine.parallel import Process, Strategy, one_device
+from src.engine.parallel import Process, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class DP(Strategy):
 
     def setup(self, device: str, trainer: Any) -> Process:
         """The GPUs to split over, the data on the first; one device where there is no GPU."""
-        found = one_device(device, trainer, self.name)
+        found = super().setup(device, trainer).device
         if found.type != "cuda":
             log.warning("parallel=dp needs CUDA GPUs; training on %s alone instead.", found)
             return Process(device=found)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 
 from src.engine.errors import UserError
-from src.engine.parallel import compiled, unwrap
+from src.engine.parallel import unwrap
 from src.engine.parallel.group import GroupStrategy
 
 
@@ -43,7 +43,7 @@ class FSDP(GroupStrategy):
         """Sharded, then compiled around FSDP's hooks (which gather each unit's weights)."""
         device = next(model.parameters()).device
         units, dtype = list(self.shard_modules), trainer.autocast_dtype
-        return compiled(shard(model, units, self.reshard_after_forward, dtype, device), trainer)
+        return super().wrap(shard(model, units, self.reshard_after_forward, dtype, device), trainer)
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
