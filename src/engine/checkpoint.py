@@ -16,6 +16,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,20 +60,21 @@ class Unusable(UserError):
         self.why = why
 
 
+@dataclass
 class Weights:
     """The model's part: its whole `state_dict` through torch.distributed.checkpoint, gathered from
     the shards where the mode shards them; loaded checked, and in a process group from rank 0's."""
 
-    def __init__(self, model: nn.Module, path: Path | str = "the checkpoint"):
-        self.model, self.path = unwrap(model), path
+    model: nn.Module  # as its strategy wrapped it (or before)
+    path: Path | str = "the checkpoint"  # where the weights it loads come from, for a message
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint import state_dict as dsd
 
-        return dsd.get_model_state_dict(self.model, options=dsd.StateDictOptions(**WHOLE))
+        return dsd.get_model_state_dict(unwrap(self.model), options=dsd.StateDictOptions(**WHOLE))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_whole(self.model, checked_weights(self.model, self.path, state))
+        load_whole(self.model, checked_weights(unwrap(self.model), self.path, state))
 
 
 def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -85,19 +87,20 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     dsd.set_model_state_dict(unwrap(model), state, options=options)
 
 
+@dataclass
 class OptimizerState:
     """The optimizer's part: its moments continue, its settings (lr, betas) stay this config's.
     Saved as one process's `optimizer.state_dict()` numbers its parameters, whatever the mode."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
-        self.optimizer, self.model = optimizer, unwrap(model)
+    optimizer: torch.optim.Optimizer
+    model: nn.Module  # the model it steps, as its strategy wrapped it
 
     def state_dict(self) -> dict[str, Any]:
         """Whole on rank 0 ({} on the others); torch.distributed.checkpoint names the parameters."""
         from torch.distributed.checkpoint import state_dict as dsd
 
         options = dsd.StateDictOptions(**WHOLE)
-        state = dsd.get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        state = dsd.get_optimizer_state_dict(unwrap(self.model), self.optimizer, options=options)
         names = [name for group in state.get("param_groups", []) for name in group["params"]]
         return _rekeyed(state, {name: number for number, name in enumerate(names)}) if state else {}
 
@@ -122,7 +125,8 @@ class OptimizerState:
             if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings
                 self.optimizer.load_state_dict(state)
                 return
-            names = {id(p): name for name, p in self.model.named_parameters()}
+            model = unwrap(self.model)
+            names = {id(p): name for name, p in model.named_parameters()}
             state = _rekeyed(state, [names[id(p)] for g in groups for p in g["params"]])
             # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this)
             # are left out: the settings are this config's anyway (settings_kept), the moments
@@ -136,7 +140,7 @@ class OptimizerState:
             # skips where gradients are left (of no step: this loads before training).
             self.optimizer.zero_grad(set_to_none=True)
             options = dsd.StateDictOptions(full_state_dict=True, strict=False)
-            dsd.set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+            dsd.set_optimizer_state_dict(model, self.optimizer, state, options=options)
 
     @contextmanager
     def settings_kept(self) -> Iterator[None]:
@@ -382,7 +386,7 @@ class Checkpointer:
         source, error = _best_pts(path, self.run_dir)[0], None
         if self.process.is_main:
             try:
-                _checked_best(source, self.parts["model"].model, self.strategy)
+                _checked_best(source, unwrap(self.parts["model"].model), self.strategy)
             except Unusable as err:
                 error = (
                     f"{path} records its best epoch ({best['epoch']}) in {source}, which "

@@ -162,23 +162,26 @@ def strategies() -> list[type[Strategy]]:
 def own_keys(cls: type[Strategy], keys: dict[str, Any]) -> dict[str, Any]:
     """`keys` for the mode `cls`, less DDP's that it lacks: false (a ddp command line moved over),
     they change nothing; true, one sentence says what this mode does instead."""
-    said = {}
-    if cls.sharded:
-        said = {
-            "sync_batchnorm": f"is DDP's: parallel={cls.name} normalises each rank's share by its "
-            "own statistics. Use parallel=ddp for SyncBatchNorm, or leave it false.",
-            "find_unused_parameters": "is DDP's: FSDP needs no search for parameters without a "
-            f"gradient. Leave it false with parallel={cls.name}.",
-        }
-    elif not cls.in_group:
-        said = {
-            "sync_batchnorm": "syncs BatchNorm's statistics across DDP processes, and parallel="
-            f"{cls.name} trains in one: use parallel=ddp, or leave it false."
-        }
-    for key in said.keys() & keys.keys():
-        if keys[key]:
-            raise UserError(f"parallel.{key}=true {said[key]}")
-    return {key: value for key, value in keys.items() if key not in said}
+    if cls.in_group and not cls.sharded:  # ddp's own keys (or a fork's mode's)
+        return keys
+    lacks = ("sync_batchnorm", "find_unused_parameters") if cls.sharded else ("sync_batchnorm",)
+    for key in [key for key in lacks if keys.get(key)]:
+        if not cls.in_group:
+            raise UserError(
+                "parallel.sync_batchnorm=true syncs BatchNorm's statistics across DDP processes, "
+                f"and parallel={cls.name} trains in one: use parallel=ddp, or leave it false."
+            )
+        if key == "sync_batchnorm":
+            raise UserError(
+                f"parallel.sync_batchnorm=true is DDP's: parallel={cls.name} normalises each "
+                "rank's share by its own statistics. Use parallel=ddp for SyncBatchNorm, or leave "
+                "it false."
+            )
+        raise UserError(
+            "parallel.find_unused_parameters=true is DDP's: FSDP needs no search for parameters "
+            f"without a gradient. Leave it false with parallel={cls.name}."
+        )
+    return {key: value for key, value in keys.items() if key not in lacks}
 
 
 def unwrap(model: nn.Module) -> nn.Module:
