@@ -135,6 +135,6 @@ def test_the_checkpoint_copy_report_measures_resnet18_with_adam():
     said, line = result.stdout.strip().splitlines()[-2:]
     figures = json.loads(line)
     assert figures["device"] == "cpu" and 125 < figures["state_mb"] < 131, figures
-    # The CPU's tensors are not copied (on_cpu keeps them): far less than the file's write.
+    # The CPU's tensors are not copied (DCP's cpu_offload keeps them): far less than the write.
     assert figures["copy_s"] < figures["save_s"], figures
     assert said.startswith("ResNet-18 with Adam on cpu: 128 MB of state"), said
