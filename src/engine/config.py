@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf, ValidationError
+from omegaconf import DictConfig, ListConfig, OmegaConf, ValidationError
 
 from src.engine import parallel
 from src.engine.errors import Checked, UserError, above, between, least, not_allowed, one_of, refuse
@@ -150,7 +150,7 @@ class DataKeys(Checked):
             )
         for key in ("mean", "std"):  # a number, or one per channel
             value = getattr(self, key)
-            values = value if isinstance(value, list) else [value]
+            values = list(value) if isinstance(value, list | ListConfig) else [value]
             if value is not None and not all(type(v) in (int, float) for v in values):  # no bool
                 refuse(f"data.{key}", value, "a number, one per channel ([0.5,0.5,0.5]) or null "
                        "(computed from the training images)")  # fmt: skip
@@ -386,11 +386,11 @@ def _refused(schema: type, key: str, value: Any) -> str | None:
     dataclass `schema`); "" where it is; None where `schema` does not type `key`."""
     *path, name = key.split(".")
     for part in path:  # down the sections: trainer, data, ...
-        section = _field_types(schema).get(part)
+        section = get_type_hints(schema).get(part)  # annotations are strings here: evaluated
         if not dataclasses.is_dataclass(section):
             return None
         schema = section
-    hint, found = _field_types(schema).get(name), {f.name: f for f in dataclasses.fields(schema)}
+    hint, found = get_type_hints(schema).get(name), {f.name: f for f in dataclasses.fields(schema)}
     if name not in found or hint is Any or dataclasses.is_dataclass(hint):  # any value, a section
         return None
     try:
@@ -420,12 +420,6 @@ def _takes(hint: Any, declared: Any) -> str:
     said = declared.get("range", "")
     said = said if said.startswith(("a ", "an ")) else f"{takes}, {said}" if said else takes
     return declared.get("null said", "null or " if nullable else "") + said
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    """A dataclass's fields and their types (annotations are strings here: evaluated)."""
-    hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def run_name(task_name: str) -> str:

@@ -11,7 +11,9 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.engine import storage
+from src.engine.config import DataKeys
 from src.engine.errors import UserError, first_line, where
 from src.engine.parallel import Process
 
@@ -30,13 +33,18 @@ Split = Batch | Dataset  # a split's (inputs, targets) in memory, or its Dataset
 INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # class labels
 
 
+@dataclass
 class GlobalBatchSampler:
     """This rank's share, by stride, of each global batch of DistributedSampler's permutation; the
     last, partial batch is split as it is, not padded: an epoch is the same for any world size."""
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size, self.epoch, self.skip = rank, world_size, 0, 0
+    num_samples: int
+    batch_size: int
+    rank: int
+    world_size: int
+    seed: int
+    epoch: int = 0
+    skip: int = 0  # batches of the epoch left out: done before a resume
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Epoch `epoch`'s order, leaving out its first `skip` batches (done before a resume)."""
@@ -60,62 +68,37 @@ class GlobalBatchSampler:
         return (index.tolist() for index in self.index_batches())
 
 
-class Data:
-    """A dataset's three splits, batched for this process. `dataset` names the class that reads
-    the files: it gets the keys Data does not take, and those of Data's own that it names."""
+class Data(DataKeys):
+    """A dataset's three splits, batched for this process: the data section's keys are `DataKeys`'s
+    (src/engine/config.py: their types, defaults and ranges, checked as Data is built). `dataset`
+    names the class that reads the files: it gets the keys Data does not take, and those of Data's
+    own that it names."""
 
-    def __init__(
-        self,
-        dataset: str,
-        mean: float | Sequence[float] | None = None,
-        std: float | Sequence[float] | None = None,
-        num_classes: int | None = None,
-        batch_size: int = 64,
-        test_batch_size: int = 1000,
-        subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        val_size: int = 0,
-        split_seed: int = 0,
-        root: str | None = None,
-        download: bool = False,
-        in_channels: int | None = None,
-        image_size: int | None = None,
-        class_names: Sequence[str] | None = None,
-        augment: bool = False,
-        loader: str = "tensor",
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        **options,
-    ):
-        # Data's own keys, before any other name is defined: a dataset class may take some of them.
-        own = {k: v for k, v in locals().items() if k not in ("self", "dataset", "options")}
-        if loader not in ("tensor", "torch"):
+    def __init__(self, root: str | None = None, **keys: Any):
+        options = {key: keys.pop(key) for key in set(keys) - set(DataKeys.__dataclass_fields__)}
+        if (loader := keys.get("loader", "tensor")) not in ("tensor", "torch"):
             raise UserError(f"data.loader={loader} is not a loader: use tensor or torch.")
+        super().__init__(**keys)  # the schema's defaults, and its checks
         if isinstance(root, str):  # data.root="~/mnist": the user's own folder
-            own["root"] = os.path.expanduser(root)
+            root = os.path.expanduser(root)
+        own = {**vars(self), "root": root}  # a dataset class may take some of Data's keys
         try:  # hydra's get_class would log the error before this says it
-            module, _, name = dataset.rpartition(".")
+            module, _, name = self.dataset.rpartition(".")
             if not module:
                 raise ImportError("not a dotted path, module.Class")
             source = getattr(importlib.import_module(module), name)
         except Exception as err:  # noqa: BLE001 - what the module raised as it was imported
             raise UserError(
-                f"data.dataset={dataset} is no class that can be imported ({first_line(err)}): "
-                "give a dataset class's dotted path (src.datasets.IDX, or your own), or choose a "
-                "data config (python train.py --help lists them).",
+                f"data.dataset={self.dataset} is no class that can be imported "
+                f"({first_line(err)}): give a dataset class's dotted path (src.datasets.IDX, or "
+                "your own), or choose a data config (python train.py --help lists them).",
                 every_rank=True,
             ) from None
         self.takes = set(inspect.signature(source).parameters)
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
-        self.workers = dict(num_workers=num_workers, pin_memory=pin_memory)
-        self.workers["persistent_workers"] = persistent_workers and num_workers > 0
-        self.loader, self.augment, self.seed, self.split_seed = loader, augment, seed, split_seed
-        self.val_size, self.subset, self.eval_subset = val_size, subset, eval_subset
-        self.mean, self.std, self.num_classes = mean, std, num_classes
-        self.class_names = list(class_names) if class_names else None
-        self.batch_size, self.test_batch_size = batch_size, test_batch_size
+        self.workers = dict(num_workers=self.num_workers, pin_memory=self.pin_memory)
+        self.workers["persistent_workers"] = self.persistent_workers and self.num_workers > 0
+        self.class_names = list(self.class_names) if self.class_names else None
 
     @property
     def name(self) -> str:
