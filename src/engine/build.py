@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf, ValidationError
-from omegaconf.errors import ConfigKeyError, InterpolationKeyError
+from omegaconf import DictConfig, OmegaConf, SCMode, ValidationError
+from omegaconf.errors import InterpolationKeyError
 from torch import nn
 
-from src.engine import checkpoint, config, guards, storage
+from src.engine import checkpoint, guards, storage
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import Checkpointing, DataKeys, ScheduleKeys, Settings, Start, Trainer
+from src.engine.config import Checkpointing, Settings, Start, Trainer
 from src.engine.core.context import Best, Callback, Callbacks, Hooks, Parts, Progress, Run, Schedule
 from src.engine.core.task import CONTRACT, place
 from src.engine.data import kind
@@ -49,7 +49,9 @@ SIGNATURE = ("unexpected keyword argument", "required positional argument", "mul
 
 
 def read_settings(cfg: DictConfig) -> Settings:
-    """The settings of `cfg`; a UserError naming the key for any value training cannot use."""
+    """The settings of `cfg`: OmegaConf builds each section's dataclass from what Hydra composed on
+    the schema (the types checked as it composed; the ranges as each is built), then the task and
+    the strategy; a UserError naming the key for any value training cannot use."""
     for key in cfg.data:  # `???` in the YAML: a value only the user can give
         if OmegaConf.is_missing(cfg.data, key):
             raise UserError(
@@ -57,26 +59,25 @@ def read_settings(cfg: DictConfig) -> Settings:
                 "needs data.root=PATH, the folder that holds train/ and test/)."
             )
     try:  # also a model's keys that name the data's (${data.in_channels}) the data config lacks
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)  # the run's record
     except InterpolationKeyError as err:
         has = f"data.dataset={cfg.data.get('dataset')} has none (not images?)"
         raise unfilled(err.full_key, err.key, has) from None
-    data, checked = resolved["data"], OmegaConf.get_type(cfg) is config.Config  # on the schema
-    if not isinstance(data.get("root", ""), str):  # a dataset's folder of files
-        refuse("data.root", data["root"], "the path of the data's folder")
-    start = typed(Start, {f.name: resolved[f.name] for f in dataclasses.fields(Start)}, "", checked)
-    shared = {f.name for f in dataclasses.fields(DataKeys)}
-    data = typed(DataKeys, {key: v for key, v in data.items() if key in shared}, "data", checked)
-    typed(ScheduleKeys, {"interval": resolved["scheduler"].get("interval")}, "scheduler", checked)
-    checkpoint = typed(Checkpointing, resolved["checkpoint"], "checkpoint", checked)
-    trainer = typed(Trainer, resolved["trainer"], "trainer", checked)
+    if not isinstance(resolved["data"].get("root", ""), str):  # a dataset's folder of files
+        refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
+    Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
+    for section in ("trainer", "checkpoint"):  # Hydra lets a `+` key in: no field of the class
+        known_keys(OmegaConf.get_type(cfg[section]), cfg[section], section)
+    # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
+    typed = OmegaConf.to_container(cfg, resolve=True, structured_config_mode=SCMode.INSTANTIATE)
     logger = resolved["logger"] or {}
     if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
     if logger.get("log_checkpoints"):
-        check_logged_checkpoints(logger, checkpoint, start.train)
+        check_logged_checkpoints(logger, typed.checkpoint, typed.train)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
-    return Settings(trainer, checkpoint, task, strategy, start, data.val_size > 0, resolved)
+    return Settings(typed.trainer, typed.checkpoint, task, strategy, typed, typed.data.val_size > 0,
+                    resolved)  # fmt: skip
 
 
 def unfilled(full_key: str, key: str, has: str) -> UserError:
@@ -188,7 +189,7 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
         hooks.append(guards.DriftGuard(every))  # the ranks' weights compared
     hooks.append(build_callbacks(cfg))  # the config's callbacks= list
     hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
-    if (below := (settings.config.get("debug") or {}).get("overfit_below")) is not None:
+    if (below := (cfg.debug or {}).get("overfit_below")) is not None:
         hooks.append(Overfit(below))  # debug=overfit's verdict
     run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
@@ -393,9 +394,24 @@ def check_optimizer(defaults: dict[str, Any]) -> None:
 schema = functools.cache(OmegaConf.structured)
 
 
-def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False) -> Any:
-    """The dataclass `cls` from `values`, types checked by OmegaConf (unless Hydra `checked` them),
-    ranges by `cls.__post_init__`; a wrong type, unknown key or untyped field is one sentence."""
+def typed(cls: type, values: dict[str, Any], section: str) -> Any:
+    """The dataclass `cls` (a strategy, which its `_target_` names) from `values`, types checked by
+    OmegaConf, ranges by `cls.__post_init__`; a wrong type, unknown key or untyped field is one
+    sentence."""
+    known_keys(cls, values, section)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
+    except ValidationError as err:
+        raise UserError(
+            f"{section}.{err.full_key}={values.get(err.full_key, err.value)} is not allowed: "
+            f"{first_line(err)} (the type of {cls.__name__}.{err.full_key}).",
+            every_rank=True,
+        ) from None
+
+
+def known_keys(cls: type, keys: Any, section: str) -> None:
+    """Refuse a key of `keys` that is no field of the dataclass `cls`, and a value of `cls` written
+    without a type (no field, so no key), in one sentence naming the class and its file."""
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
             shared = any("ClassVar" in str(vars(k).get("__annotations__", {}).get(name))
@@ -409,23 +425,9 @@ def typed(cls: type, values: dict[str, Any], section: str, checked: bool = False
                     f"{value!r}`.",
                     every_rank=True,
                 )
-    fields = [f.name for f in dataclasses.fields(cls)]  # a key Hydra let in (+trainer.epoch=2)
-    key = next((key for key in values if key not in fields), None)
-    try:
-        if key is None:
-            return (
-                cls(**values)
-                if checked
-                else OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
-            )
-    except ConfigKeyError as err:
-        key = err.key
-    except ValidationError as err:
-        raise UserError(
-            f"{section}.{err.full_key}={values.get(err.full_key, err.value)} is not allowed: "
-            f"{first_line(err)} (the type of {cls.__name__}.{err.full_key}).",
-            every_rank=True,
-        ) from None
+    fields = [f.name for f in dataclasses.fields(cls)]
+    if (key := next((key for key in keys if key not in fields), None)) is None:
+        return
     close = difflib.get_close_matches(str(key), fields, n=1)
     raise UserError(
         f"{section}.{key} is not a key of {section}: {cls.__name__} ({where(cls)}) has no field "
