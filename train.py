@@ -13,7 +13,7 @@ Every knob is in conf/; `python train.py --help` lists them. The way through, a 
 compose the config (conf/, its schema in src/engine/config.py) → set up the process: here, under
 torchrun, or in the processes started here (`main` in src/engine/app.py, which a script of your own
 calls the same way: docs/layout.md) → build the data, model and optimizer (src/engine/build.py) →
-fit (src/engine/core/loop.py) → test and finish (`train` in src/engine/run.py, top to bottom).
+fit (src/engine/core/loop.py) → test and finish (`train` in src/engine/app.py, top to bottom).
 """
 
 from src.engine.app import main

@@ -391,7 +391,7 @@ def test_jobs_through_the_submitit_launcher_run_ddp(tmp_path, tiny_data):
 
 # A job's process as a launcher that pickles by value leaves it (submitit does so with train.py's
 # functions): the training function arrives as a pickle of its code, not as a reference to
-# src/engine/run.py, and this process hands it to the self-launched DDP workers.
+# src/engine/app.py, and this process hands it to the self-launched DDP workers.
 BY_VALUE_JOB = """
 import pickle, sys
 import hydra
@@ -400,7 +400,7 @@ from src.engine import config, launch  # config: the schema conf/config.yaml sta
 @hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
 def job(cfg):
     train = pickle.loads(open({payload!r}, "rb").read())
-    assert "src.engine.run" not in sys.modules, "the function was pickled by reference"
+    assert "src.engine.app" not in sys.modules, "the function was pickled by reference"
     print("rank 0 returned", launch.start_workers(train, cfg, cfg.parallel.nproc_per_node))
 
 if __name__ == "__main__":  # the DDP workers import this file too
@@ -416,8 +416,8 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
     payload, script, temporary = tmp_path / "train.pkl", tmp_path / "job.py", tmp_path / "tmp"
     temporary.mkdir()
     pickle_it = (
-        "import cloudpickle, src.engine.run; cloudpickle.register_pickle_by_value(src.engine.run); "
-        f"open({str(payload)!r}, 'wb').write(cloudpickle.dumps(src.engine.run.train))"
+        "import cloudpickle, src.engine.app; cloudpickle.register_pickle_by_value(src.engine.app); "
+        f"open({str(payload)!r}, 'wb').write(cloudpickle.dumps(src.engine.app.train))"
     )
     env = offline_env(PYTHONPATH=str(REPO))
     ok(run([sys.executable, "-c", pickle_it], cwd=tmp_path, env=env))
@@ -437,9 +437,9 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
 @pytest.mark.unit
 def test_a_function_workers_could_not_import_is_refused_before_any_process_starts():
     from src.engine.launch import importable_name
-    from src.engine.run import train as run_train
+    from src.engine.app import train as run_train
 
-    assert importable_name(run_train) == ("src.engine.run", "train")
+    assert importable_name(run_train) == ("src.engine.app", "train")
     with pytest.raises(ValueError, match="import the training function by module and name"):
         importable_name(lambda cfg: None)
 

@@ -31,17 +31,16 @@ LAYERS = [
     ["guards"],
     ["tools"],
     ["build"],
-    ["run", "entry"],
+    ["entry"],
     ["app"],
 ]
 LAYER = {part: number for number, parts in enumerate(LAYERS) for part in parts}
-# Where the composed config is read: the top of the run (run.py, and build.py for the classes its
+# Where the composed config is read: the top of the run (app.py, and build.py for the classes its
 # groups name), config.py (which turns it into typed settings), errors.py (a node built into a
 # dataclass, its mistakes told), the launcher (which hands it to the processes it starts),
 # debug=equivalence (an entry point, as train.py is), and the two Hydra callbacks, which Hydra
 # hands it. Below them only typed settings travel.
 READS_THE_CONFIG = {
-    "engine/run.py",
     "engine/build.py",
     "engine/config.py",
     "engine/errors.py",
@@ -61,7 +60,7 @@ def part(module: str) -> str:
         return "engine"
     if names[1] != "engine":
         return "fork"
-    if module == "src.engine.tools.equivalence":  # an entry point, as run.py: app.py calls it
+    if module == "src.engine.tools.equivalence":  # an entry point, as app.train: app.py calls it
         return "entry"
     return names[2] if len(names) > 2 else "engine"
 

@@ -82,12 +82,12 @@ def test_pip_install_e_makes_the_engine_importable_from_any_folder(tmp_path):
     site = next(prefix.rglob("site-packages"))
     probe = (
         f"import site, sys; sys.path.remove(''); site.addsitedir({str(site)!r}); "
-        "import src.engine.run, src.models, importlib.util as u; "
-        "print(src.engine.run.__file__, [n for n in ('core', 'tools') if u.find_spec(n)])"
+        "import src.engine.app, src.models, importlib.util as u; "
+        "print(src.engine.app.__file__, [n for n in ('core', 'tools') if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True,
                          capture_output=True, text=True).stdout.split()  # fmt: skip
-    assert out == [str(REPO / "src" / "engine" / "run.py"), "[]"]
+    assert out == [str(REPO / "src" / "engine" / "app.py"), "[]"]
     text = next(site.glob("hydra_ddp_mnist*.dist-info/METADATA")).read_text()
     for name in ("torch", "hydra-core", "omegaconf", "wandb", "tqdm", "matplotlib"):
         assert f"Requires-Dist: {name}" in text, name

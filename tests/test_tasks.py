@@ -202,7 +202,7 @@ def compose_with_fork(fork: Path, *overrides: str):
 
 
 def start_of_run(cfg):
-    """What src/engine/run.py does before training, in this process: the settings (the task built
+    """What src/engine/app.py's train does before training, in this process: the settings (the task built
     and checked against the monitor), the data and the first batch's count of loss terms, and the
     model with its preflight on two samples."""
     settings = read_settings(cfg)

@@ -1,4 +1,4 @@
-"""What `src/engine/run.py` builds from the composed config: the typed settings, the logger, the
+"""What `train` (src/engine/app.py) builds from the composed config: the typed settings, the logger, the
 data, the model, the optimizer, the schedule, the checkpoint's parts; below, only these travel."""
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def register() -> None:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything below `src/engine/run.py` reads of the config, checked as a whole."""
+    """Everything below `src/engine/app.py` reads of the config, checked as a whole."""
 
     trainer: Trainer
     checkpoint: Checkpointing

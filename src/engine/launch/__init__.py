@@ -113,7 +113,7 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
     if module == "__main__" or "<" in name:
         raise ValueError(
             f"DDP processes import the training function by module and name, and {module}.{name} "
-            "is not importable: define it at the top level of a module (as src/engine/run.py does)."
+            "is not importable: define it at the top level of a module (as src/engine/app.py does)."
         )
     return module, name
 
