@@ -1,5 +1,6 @@
-"""What `train` (src/engine/app.py) builds from the composed config: the typed settings, the logger, the
-data, the model, the optimizer, the schedule, the checkpoint's parts; below, only these travel."""
+"""What `train` (src/engine/app.py) builds from the composed config: the typed settings, the
+logger, the data, the model, the optimizer, the schedule, the checkpoint's parts; below, only these
+travel."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from src.engine import checkpoint, guards, storage
 from src.engine.checkpoint import Checkpointer
-from src.engine.config import Checkpointing, Settings, Start, Trainer
+from src.engine.config import SCHEMA, Checkpointing, Config, Settings, Start, Trainer
 from src.engine.core.context import Best, Callback, Callbacks, Hooks, Parts, Progress, Run, Schedule
 from src.engine.core.task import CONTRACT, place
 from src.engine.data import kind
@@ -66,8 +67,10 @@ def read_settings(cfg: DictConfig) -> Settings:
     if not isinstance(resolved["data"].get("root", ""), str):  # a dataset's folder of files
         refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
     Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
-    for section in ("trainer", "checkpoint"):  # Hydra lets a `+` key in: no field of the class
-        known_keys(OmegaConf.get_type(cfg[section]), cfg[section], section)
+    for section, cls in (("trainer", Trainer), ("checkpoint", Checkpointing)):
+        known_keys(cls, cfg[section], section)  # Hydra lets a `+` key in: no field of the class
+    if OmegaConf.get_type(cfg) is not Config:  # handed on as plain values: a started process's
+        cfg = OmegaConf.merge(SCHEMA, cfg)
     # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
     typed = OmegaConf.to_container(cfg, resolve=True, structured_config_mode=SCMode.INSTANTIATE)
     logger = resolved["logger"] or {}

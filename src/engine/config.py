@@ -226,9 +226,10 @@ class Config(Start):
     debug: Any = None  # a debugging set-up's keys (conf/debug/)
 
 
-def register() -> None:
+def register() -> DictConfig:
     """`schema` in Hydra's ConfigStore (sections a group adds keys to open), and each strategy as
-    `schema/parallel/<mode>`, its fields and `_target_`, which conf/parallel/<mode>.yaml extends."""
+    `schema/parallel/<mode>`, its fields and `_target_`, which conf/parallel/<mode>.yaml extends;
+    returns `schema`."""
     store = ConfigStore.instance()
     schema = OmegaConf.structured(Config)
     for open_section in ("data", "scheduler"):  # a dataset's, a scheduler class's own keys
@@ -241,6 +242,7 @@ def register() -> None:
         node = OmegaConf.structured(keys)
         OmegaConf.set_struct(node, False)  # a fork's variant of a mode adds keys of its own
         store.store(group="schema/parallel", name=cls.name, node=node)
+    return schema
 
 
 @dataclass(frozen=True)
@@ -470,4 +472,4 @@ RESOLVERS |= {"run_name": run_name, "sweep_group": sweep_group}  # the wandb run
 for name, resolver in RESOLVERS.items():
     if not OmegaConf.has_resolver(name):
         OmegaConf.register_new_resolver(name, resolver)
-register()
+SCHEMA = register()  # what a config handed on as plain values (to a process) is typed by
