@@ -181,9 +181,18 @@ def tracker_defaults(logger: DictConfig, settings: Settings) -> dict[str, Any]:
 
 def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:
     """The run's context: its data (checked for training) and its hooks, in order; no logger yet."""
-    trainer = settings.trainer
-    if settings.train:
-        check_accumulation(trainer, cfg.data.batch_size, process.world_size)
+    trainer, batch_size, world_size = settings.trainer, cfg.data.batch_size, process.world_size
+    # More micro-batches than a rank's share of a batch has samples (a smaller last batch is split
+    # into fewer); a batch that does not divide over the ranks is data.setup's to tell.
+    share, parts = batch_size // world_size, trainer.accumulate_grad_batches
+    if settings.train and 0 < share < parts and batch_size % world_size == 0:
+        raise UserError(
+            f"trainer.accumulate_grad_batches={parts} splits each process's share of a batch "
+            f"({share} images: data.batch_size={batch_size} over {world_size} processes) into "
+            f"{parts} micro-batches, and some would be empty. Use at most {share}, or a larger "
+            "data.batch_size.",
+            every_rank=True,
+        )
     data = instantiated("data", cfg.data)
     data.setup(process, trainer.dtype, trainer.memory_format)
     hooks = [WarmUp()] if trainer.warmup_steps else []  # before the signal handlers
@@ -323,20 +332,6 @@ def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int) -> Any:
     if "total_steps" in spec and spec["total_steps"] is None:
         spec["total_steps"] = total_steps
     return instantiated("scheduler", spec, optimizer, values=True)
-
-
-def check_accumulation(trainer: Trainer, batch_size: int, world_size: int) -> None:
-    """Refuse more micro-batches than a rank's share of a batch has samples (a smaller last batch
-    is split into fewer)."""
-    share, parts = batch_size // world_size, trainer.accumulate_grad_batches
-    if 0 < share < parts and batch_size % world_size == 0:  # else data.setup tells what is wrong
-        raise UserError(
-            f"trainer.accumulate_grad_batches={parts} splits each process's share of a batch "
-            f"({share} images: data.batch_size={batch_size} over {world_size} processes) into "
-            f"{parts} micro-batches, and some would be empty. Use at most {share}, or a larger "
-            "data.batch_size.",
-            every_rank=True,
-        )
 
 
 def configure_kernels(trainer: Trainer) -> None:

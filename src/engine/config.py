@@ -266,8 +266,8 @@ class Settings:
         return self.paths.device
 
     def __post_init__(self) -> None:
-        monitor, known = self.checkpoint.monitor, modes(self.task)
-        self.checkpoint.mode = checkpoint_mode(monitor, self.checkpoint.mode, known)
+        monitor, known = self.checkpoint.monitor, getattr(self.task, "modes", None)
+        self.checkpoint.mode = checkpoint_mode(monitor, self.checkpoint.mode, self.task)
         if known and monitor.removeprefix("val/") not in known:
             metrics = " or ".join(f"val/{name}" for name in known)
             raise UserError(f"checkpoint.monitor={monitor} is not a metric this task returns: "
@@ -294,15 +294,11 @@ class Settings:
         self.parallel.check(self)
 
 
-def modes(task: Any) -> dict[str, str] | None:
-    """The task's (or its class's) metrics, each with `max` or `min` (None: it does not say)."""
-    return dict(getattr(task, "modes", None) or {}) or None
-
-
-def checkpoint_mode(monitor: Any, mode: Any, known: dict[str, str] | None) -> Any:
-    """`checkpoint.mode`, or where null the task's `modes` for `monitor`; one against the task's is
-    refused (best.pt would keep the worst epoch)."""
-    declared = (known or {}).get(str(monitor).removeprefix("val/"))
+def checkpoint_mode(monitor: Any, mode: Any, task: Any) -> Any:
+    """`checkpoint.mode`, or where null the `task`'s (or its class's) `modes` for `monitor` (its
+    metrics, each with `max` or `min`); one against the task's is refused (best.pt would keep the
+    worst epoch)."""
+    declared = (getattr(task, "modes", None) or {}).get(str(monitor).removeprefix("val/"))
     if mode is None:
         return declared
     if declared and mode != declared:
@@ -318,7 +314,7 @@ def checkpoint_mode(monitor: Any, mode: Any, known: dict[str, str] | None) -> An
 def checkpoint_mode_of(cfg: DictConfig) -> Any:
     """`checkpoint_mode` of a whole config, the task's `modes` read off its class (not built)."""
     task = get_class(cfg.task._target_) if cfg.get("task") else None
-    return checkpoint_mode(cfg.checkpoint.monitor, cfg.checkpoint.mode, modes(task))
+    return checkpoint_mode(cfg.checkpoint.monitor, cfg.checkpoint.mode, task)
 
 
 def _direction(*, _root_: DictConfig) -> str:
