@@ -109,7 +109,8 @@ class Paths:
 
 @dataclass
 class DataKeys(Checked):
-    """`data:` the keys every dataset shares (src/engine/data.py's `Data`), and the class's own."""
+    """`data:` the keys every dataset shares, `_target_` and `Data`'s own (src/engine/data.py's
+    `Data` is this section, built), beside which a dataset class's own keys go."""
 
     section = "data"
     _target_: str = "src.engine.data.Data"  # holds the splits and batches them, for every dataset

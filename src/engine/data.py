@@ -96,8 +96,6 @@ class Data(DataKeys):
             ) from None
         self.takes = set(inspect.signature(source).parameters)
         self.source = source(**{k: v for k, v in own.items() if k in self.takes}, **options)
-        self.workers = dict(num_workers=self.num_workers, pin_memory=self.pin_memory)
-        self.workers["persistent_workers"] = self.persistent_workers and self.num_workers > 0
         self.class_names = list(self.class_names) if self.class_names else None
 
     @property
@@ -167,8 +165,10 @@ class Data(DataKeys):
 
     def _data_loaders(self) -> None:
         """loader=torch: DataLoaders of the training order and of each rank's evaluation share."""
-        collate_empty = functools.partial(collate, empty=self.empty_batch())
-        loader = functools.partial(DataLoader, collate_fn=collate_empty, **self.workers)
+        empty, persistent = self.empty_batch(), self.persistent_workers and self.num_workers > 0
+        loader = functools.partial(DataLoader, collate_fn=functools.partial(collate, empty=empty),
+                                   num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                   persistent_workers=persistent)  # fmt: skip
         self.loaders = {"train": loader(self.train, batch_sampler=self.sampler)}
         for split in ("val", "test"):  # this rank's every world_size-th sample, as `_raw` takes
             mine = Subset(getattr(self, split), range(self.rank, self.size(split), self.world_size))
@@ -302,8 +302,7 @@ class Data(DataKeys):
     def _uint8_batches(self, split: Split) -> Iterator[Tensor]:
         if isinstance(split, tuple):
             return split[0].split(4096)
-        workers = self.workers["num_workers"]
-        loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=workers)
+        loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=self.num_workers)
         return (images for images, _ in read(loader))
 
     def _as_dtype(self, inputs: Tensor) -> Tensor:
