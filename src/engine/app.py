@@ -67,8 +67,13 @@ def main(config_dir: str | Path | None = None, config_name: str = "config") -> N
     args = launch.hydra_argv(sys.argv)[1:]
     if said := check_command_line(args):  # a value of the wrong type: one sentence, not Hydra's 5
         sys.exit(said if os.environ.get("LOCAL_RANK", "0") == "0" else 1)  # once per machine
-    # The log is named for the script (train.log), as Hydra names it for a function of its own.
-    args = with_override(args, "hydra.job.name=" + re.sub(r"[^\w.-]", "_", name))
+    # The log is named for the script (train.log), as Hydra names it for a function of its own:
+    # before the command line's first override (argparse takes them in one run: `-m a=1,2` stays
+    # one), so that one of the command line's own, read later, wins over it.
+    given = get_args_parser().parse_known_args(args)[0].overrides
+    args.insert(
+        args.index(given[0]) if given else 0, "hydra.job.name=" + re.sub(r"[^\w.-]", "_", name)
+    )
     if config_dir is not None:
         args.insert(0, f"--config-dir={own_folder(folder / config_dir)}")
     sys.argv = [sys.argv[0], *args]
@@ -135,14 +140,6 @@ def train(
     finally:
         teardown()
     return result
-
-
-def with_override(args: list[str], override: str) -> list[str]:
-    """`args` with `override` before the command line's first (argparse takes them in one run:
-    `-m a=1,2` stays one), so that one of the command line's own, read later, wins over it."""
-    given = get_args_parser().parse_known_args(args)[0].overrides
-    at = args.index(given[0]) if given else 0
-    return [*args[:at], override, *args[at:]]
 
 
 def own_folder(folder: Path) -> Path:
