@@ -274,7 +274,14 @@ class Data(DataKeys):
         """data.mean and data.std, or, where they are null, computed from the training images."""
         mean, std = self.mean, self.std
         if mean is None or std is None:
-            mean, std = mean_and_std(self._uint8_batches(self.train))
+            if isinstance(self.train, tuple):  # the images' tensor, in chunks
+                batches = self.train[0].split(4096)
+            else:
+                loader = DataLoader(
+                    self.train, 256, collate_fn=collate, num_workers=self.num_workers
+                )
+                batches = (images for images, _ in read(loader))
+            mean, std = mean_and_std(batches)
             log.info(
                 "data.mean=%s data.std=%s, computed from the %d training images: put them in "
                 "the config to skip this",
@@ -298,12 +305,6 @@ class Data(DataKeys):
                 f"have {self.in_channels}."
             )
         return Normalise(mean, std, self.device, self.dtype, self.memory_format)
-
-    def _uint8_batches(self, split: Split) -> Iterator[Tensor]:
-        if isinstance(split, tuple):
-            return split[0].split(4096)
-        loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=self.num_workers)
-        return (images for images, _ in read(loader))
 
     def _as_dtype(self, inputs: Tensor) -> Tensor:
         """Inputs that are not images: float ones in the run's dtype and layout, others as read."""
