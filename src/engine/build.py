@@ -5,6 +5,7 @@ travel."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import difflib
 import functools
@@ -59,20 +60,25 @@ def read_settings(cfg: DictConfig) -> Settings:
                 f"data.{key} has no value: add data.{key}=... to the command (data=image_folder "
                 "needs data.root=PATH, the folder that holds train/ and test/)."
             )
-    try:  # also a model's keys that name the data's (${data.in_channels}) the data config lacks
-        resolved = OmegaConf.to_container(cfg, resolve=True)  # the run's record
-    except InterpolationKeyError as err:
-        has = f"data.dataset={cfg.data.get('dataset')} has none (not images?)"
-        raise unfilled(err.full_key, err.key, has) from None
-    if not isinstance(resolved["data"].get("root", ""), str):  # a dataset's folder of files
-        refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
-    Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
     for section, cls in (("trainer", Trainer), ("checkpoint", Checkpointing)):
         known_keys(cls, cfg[section], section)  # Hydra lets a `+` key in: no field of the class
     if OmegaConf.get_type(cfg) is not Config:  # handed on as plain values: a started process's
         cfg = OmegaConf.merge(SCHEMA, cfg)
+    values = copy.deepcopy(cfg)  # resolved once, here: Hydra's own config is left as composed
+    try:  # also a model's keys that name the data's (${data.in_channels}) the data config lacks
+        try:
+            OmegaConf.resolve(values)
+        except InterpolationKeyError:  # which names no key: a reading names the first
+            OmegaConf.to_container(values, resolve=True)
+    except InterpolationKeyError as err:
+        has = f"data.dataset={cfg.data.get('dataset')} has none (not images?)"
+        raise unfilled(err.full_key, err.key, has) from None
+    resolved = OmegaConf.to_container(values)  # the run's record
+    if not isinstance(resolved["data"].get("root", ""), str):  # a dataset's folder of files
+        refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
+    Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
     # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
-    typed = OmegaConf.to_container(cfg, resolve=True, structured_config_mode=SCMode.INSTANTIATE)
+    typed = OmegaConf.to_container(values, structured_config_mode=SCMode.INSTANTIATE)
     logger = resolved["logger"] or {}
     if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")

@@ -254,7 +254,7 @@ class Settings:
     checkpoint: Checkpointing
     task: Any = None  # what is learned: its loss and metrics (src/tasks.py)
     parallel: parallel.Strategy = field(default_factory=Single)  # the parallel mode's strategy
-    paths: Start = field(default_factory=Start)  # seed, device, train and the checkpoints
+    paths: Start = field(default_factory=Start)  # seed, device, train, the checkpoints: the Config
     validates: bool = True  # data.val_size > 0: a validation split is held out
     config: dict[str, Any] = field(default_factory=dict)  # all of it, resolved: the run's record
 
