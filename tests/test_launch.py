@@ -436,8 +436,8 @@ def test_a_training_function_pickled_by_value_runs_self_launched_ddp(tmp_path, t
 
 @pytest.mark.unit
 def test_a_function_workers_could_not_import_is_refused_before_any_process_starts():
-    from src.engine.launch import importable_name
     from src.engine.app import train as run_train
+    from src.engine.launch import importable_name
 
     assert importable_name(run_train) == ("src.engine.app", "train")
     with pytest.raises(ValueError, match="import the training function by module and name"):
