@@ -202,9 +202,9 @@ def compose_with_fork(fork: Path, *overrides: str):
 
 
 def start_of_run(cfg):
-    """What src/engine/app.py's train does before training, in this process: the settings (the task built
-    and checked against the monitor), the data and the first batch's count of loss terms, and the
-    model with its preflight on two samples."""
+    """What `train` (src/engine/app.py) does before training, in this process: the settings (the
+    task built and checked against the monitor), the data and the first batch's count of loss
+    terms, and the model with its preflight on two samples."""
     settings = read_settings(cfg)
     data = instantiate(cfg.data)
     data.setup(Process())
