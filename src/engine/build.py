@@ -159,13 +159,12 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         given |= tracker_defaults(cfg.logger, settings)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
-    def write() -> None:
-        log.info("Config:\n%s", text)
-        storage.write_atomically(path, lambda file: file.write(text.encode()))
-
     storage.admit(run_dir)
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
         checkpoint.take_best(resumed, run_dir, process)
+        if process.is_main:
+            log.info("Config:\n%s", text)
+        write = functools.partial(storage.write_atomically, path, lambda f: f.write(text.encode()))
         if unwritten := storage.on_main(process, write):
             at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint, step
             raise storage.stopped(unwritten, run_dir, None, at)
