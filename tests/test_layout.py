@@ -46,7 +46,6 @@ READS_THE_CONFIG = {
     "engine/errors.py",
     "engine/launch/__init__.py",
     "engine/tools/equivalence.py",
-    "engine/tools/sweep.py",
     "engine/storage.py",
     "engine/app.py",  # the command line's jobs: each config Hydra composed, to run or launch
 }

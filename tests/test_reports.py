@@ -18,10 +18,10 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch import nn
 
+from src.engine.app import SweepSummary, _write
 from src.engine.guards import NonFiniteLoss
 from src.engine.parallel import Process
 from src.engine.tools import plots
-from src.engine.tools.sweep import SweepSummary, _write
 from src.tasks import Classification, Regression
 
 pytestmark = pytest.mark.unit

@@ -14,7 +14,6 @@ from conftest import LOSS_ATOL, WEIGHT_ATOL, a_run, ok, read_metrics, run_dirs, 
 from hydra.utils import instantiate
 from torch import nn
 
-from src.engine.build import check_accumulation
 from src.engine.checkpoint import Checkpointer, OptimizerState, RandomState, load_parts, rng_state
 from src.engine.config import Checkpointing, Trainer
 from src.engine.core.context import Hooks, Parts, Progress, Schedule
@@ -181,11 +180,13 @@ def test_the_guards_share_one_all_reduce_per_check():
     assert process.reduced == [[0.5, False, False, False, False]]
 
 
-@pytest.mark.unit
-def test_accumulation_that_leaves_a_micro_batch_empty_is_refused():
-    check_accumulation(Trainer(accumulate_grad_batches=8), batch_size=32, world_size=4)
-    with pytest.raises(UserError, match="Use at most 8, or a larger data.batch_size"):
-        check_accumulation(Trainer(accumulate_grad_batches=9), batch_size=32, world_size=4)
+def test_accumulation_that_leaves_a_micro_batch_empty_is_refused(tmp_path, tiny_data):
+    """33 micro-batches of a 32-image batch: one would be empty, refused before training."""
+    overrides = [f"data.root={tiny_data}", "logger=none", "data.batch_size=32",
+                 "trainer.accumulate_grad_batches=33"]  # fmt: skip
+    result = train(overrides, tmp_path)
+    assert result.returncode != 0
+    assert "Use at most 32, or a larger data.batch_size" in result.stdout + result.stderr
 
 
 def test_a_nan_under_ddp_stops_every_rank_and_keeps_last_pt_finite(tmp_path, tiny_data):

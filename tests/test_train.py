@@ -269,7 +269,7 @@ def test_multirun_jobs_get_their_own_folder_and_wandb_run(tmp_path, tiny_data):
 def test_sweep_summary_ranks_jobs_by_the_monitor_never_by_the_test(tmp_path, mode, order):
     """summary.csv: the best value of checkpoint.monitor first, as its mode says; a job without
     one (failed, or no validation split) last. The test accuracy plays no part."""
-    from src.engine.tools.sweep import _write
+    from src.engine.app import _write
 
     values = [(0.5, 0.99), (0.4, 0.98), (0.7, 0.10), (None, None)]  # (best, test/acc) per job
     for job, (best, test_acc) in enumerate(values):
