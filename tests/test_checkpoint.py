@@ -704,9 +704,9 @@ def test_an_evaluation_into_a_training_runs_folder_is_refused_and_changes_nothin
     tmp_path, tiny_data, saved
 ):
     """train=false ckpt_path=<run>/checkpoints/best.pt hydra.run.dir=<run> would replace the run's
-    metrics.jsonl and config with the evaluation's: refused, and the folder as it was (Hydra's
-    .hydra/ files put back, train.log without the refused run's lines). An evaluation's own folder
-    is evaluated into again (its records replaced)."""
+    metrics.jsonl and config with the evaluation's: refused, and the folder as it was (the run's
+    .hydra/ files never moved in from run.pending/, train.log without the refused run's lines).
+    An evaluation's own folder is evaluated into again (its records replaced)."""
     run_dir = saved.parent.parent
     records = files(run_dir)
     evaluate = ["logger=none", f"data.root={tiny_data}", "train=false", f"ckpt_path={saved}"]
@@ -840,8 +840,9 @@ def test_a_resume_trains_with_the_changed_optimizer_settings_and_refuses_what_ca
         result = train([*common, "trainer.epochs=3", override], tmp_path)
         assert result.returncode == 1 and message in printed(result), printed(result)
         assert "Traceback" not in printed(result)
-    # Refused before it began: the folder as it was (Hydra's .hydra/ files put back, train.log
-    # without the refused runs' lines); into a new folder, no folder left and no best.pt copied.
+    # Refused before it began: the folder as it was (the runs' .hydra/ files never moved in from
+    # run.pending/, train.log without the refused runs' lines); into a new folder, no folder left
+    # and no best.pt copied.
     assert files(run_dir) == records
     elsewhere = tmp_path / "elsewhere" / "run"
     refused = [*common, f"hydra.run.dir={elsewhere}", f"resume={checkpoint}", "optimizer=adam"]
@@ -982,3 +983,24 @@ def test_the_saved_state_dicts_are_a_plain_models_and_optimizers(tmp_path, wrapp
     ours = again.state_dict()
     torch.testing.assert_close(ours["state"], optimizer.state_dict()["state"], rtol=0, atol=0)
     assert again.param_groups[0]["lr"] == 0.2  # this run's settings
+
+
+@pytest.mark.unit
+def test_a_parameter_the_checkpoint_holds_no_moments_of_starts_afresh():
+    """A branch without a gradient before the save has no optimizer state in the file; loaded, it
+    has none either (torch.distributed.checkpoint's load makes one for every parameter), so Adam's
+    first step of it is its step 1, as in the run that was not interrupted."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(3, 2)})
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model["used"](torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = OptimizerState(optimizer, model).state_dict()
+    assert list(saved["state"]) == [0, 1]  # the used layer's weight and bias
+
+    fresh = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(3, 2)})
+    again = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    OptimizerState(again, fresh).load_state_dict(saved)
+    ours = again.state_dict()["state"]
+    assert list(ours) == [0, 1]
+    torch.testing.assert_close(ours, optimizer.state_dict()["state"], rtol=0, atol=0)

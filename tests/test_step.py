@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from src.engine.checkpoint import Checkpointer, OptimizerState, RandomState, load_parts, rng_state
-from src.engine.config import Checkpointing, Trainer
+from src.engine.config import Checkpointing
 from src.engine.core.context import Hooks, Parts, Progress, Schedule
 from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import save, train_step

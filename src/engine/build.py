@@ -78,15 +78,15 @@ def read_settings(cfg: DictConfig) -> Settings:
         refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
     Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
     # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
-    typed = OmegaConf.to_container(values, structured_config_mode=SCMode.INSTANTIATE)
+    sections = OmegaConf.to_container(values, structured_config_mode=SCMode.INSTANTIATE)
     logger = resolved["logger"] or {}
     if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
     if logger.get("log_checkpoints"):
-        check_logged_checkpoints(logger, typed.checkpoint, typed.train)
+        check_logged_checkpoints(logger, sections.checkpoint, sections.train)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
-    return Settings(typed.trainer, typed.checkpoint, task, strategy, typed, typed.data.val_size > 0,
-                    resolved)  # fmt: skip
+    return Settings(sections.trainer, sections.checkpoint, task, strategy, sections,
+                    sections.data.val_size > 0, resolved)  # fmt: skip
 
 
 def unfilled(full_key: str, key: str, has: str) -> UserError:

@@ -74,15 +74,17 @@ class Weights:
         return dsd.get_model_state_dict(unwrap(self.model), options=dsd.StateDictOptions(**WHOLE))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_whole(self.model, checked_weights(unwrap(self.model), self.path, state))
+        # Each rank's own read of the file, not rank 0's sent over it: a file that differs between
+        # machines is the start-up check's to find (guards.check_start), not to be hidden.
+        load_whole(self.model, checked_weights(unwrap(self.model), self.path, state), False)
 
 
-def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load the whole, checked `state` into `model`; in a process group, rank 0's, sent to the
-    other ranks (where it may be {}) and sharded where the mode shards the model."""
+def load_whole(model: nn.Module, state: dict[str, torch.Tensor], from_rank0: bool) -> None:
+    """Load the whole, checked `state` into `model`, sharded where the mode shards the model;
+    `from_rank0`: in a process group, rank 0's, sent to the other ranks (where it may be {})."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    broadcast = torch.distributed.is_initialized()
+    broadcast = from_rank0 and torch.distributed.is_initialized()
     options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
     dsd.set_model_state_dict(unwrap(model), state, options=options)
 
@@ -125,7 +127,7 @@ class OptimizerState:
             if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings
                 self.optimizer.load_state_dict(state)
                 return
-            model = unwrap(self.model)
+            model, had = unwrap(self.model), set(state["state"])
             names = {id(p): name for name, p in model.named_parameters()}
             state = _rekeyed(state, [names[id(p)] for g in groups for p in g["params"]])
             # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this)
@@ -141,6 +143,11 @@ class OptimizerState:
             self.optimizer.zero_grad(set_to_none=True)
             options = dsd.StateDictOptions(full_state_dict=True, strict=False)
             dsd.set_optimizer_state_dict(model, self.optimizer, state, options=options)
+            # That step gave every parameter a state: those the file has none of start afresh, as
+            # a plain optimizer's load leaves them (Adam's first step of them is their step 1).
+            for number, parameter in enumerate(p for g in groups for p in g["params"]):
+                if number not in had:
+                    self.optimizer.state.pop(parameter, None)
 
     @contextmanager
     def settings_kept(self) -> Iterator[None]:
@@ -411,7 +418,7 @@ class Checkpointer:
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
             self.strategy.load_shards(model, Path(shards))
         else:
-            load_whole(model, state.get("model", {}))
+            load_whole(model, state.get("model", {}), True)  # read on rank 0 alone
         forks = {n: p for n, p in self.parts.items() if n in ("task", "callbacks")}
         load_parts(forks, process.broadcast_object({n: state.get(n) for n in forks}))
 

@@ -315,9 +315,8 @@ class RunFolderCheck(Callback):
             return
         except UserError as err:
             raise SystemExit(str(err)) from None  # printed, exit status 1
+        _begun.clear()  # an earlier run's of this process (tests run several in one)
         made = [p for p in (folder, *folder.parents) if not p.exists()]
-        log = folder / f"{config.hydra.job.name}.log"
-        size = log.stat().st_size if log.is_file() else None  # where a refused run cuts it back
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if refusal := take(folder):  # held() refuses it on every rank; nothing written here
@@ -329,11 +328,14 @@ class RunFolderCheck(Callback):
                         if "filename" in handler:  # its log, which that run appends to
                             hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
                 return
+            log = folder / f"{config.hydra.job.name}.log"  # read once held: no run appends now
+            size = log.stat().st_size if log.is_file() else None  # where a refused run cuts it
             _begun.update(folder=folder, made=made, log=(log, size))
             write_hydra_files(folder, config)
         except OSError as err:
             _begun.clear()
-            shutil.rmtree(folder / PENDING, ignore_errors=True)
+            if str(folder) in _locks:  # held here: its pending files are this run's
+                shutil.rmtree(folder / PENDING, ignore_errors=True)
             let_go(folder)
             for path in made:
                 with suppress(OSError):

@@ -8,7 +8,6 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable
 from itertools import chain
 
 import torch
@@ -59,7 +58,7 @@ class Speed(Hook):
         speed["memory/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if device.type == "cuda":
             speed["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        speed["memory/state_mb"] = state = state_mb(parts, local)
+        speed["memory/state_mb"] = state = state_mb(parts)
         peak = speed.get("memory/peak_cuda_mb", speed["memory/peak_rss_mb"])
         epoch = progress.epoch
         if epoch % run.trainer.log_every_n_epochs == 0 or epoch == run.trainer.epochs:
@@ -72,7 +71,7 @@ class Speed(Hook):
             run.logger.log({**progress.record, **speed})
 
 
-def state_mb(parts: Parts, local: Callable[[torch.Tensor], torch.Tensor]) -> float:
+def state_mb(parts: Parts) -> float:
     """MiB of this rank's weights, gradients and optimizer state (1/N of them under FSDP)."""
     grads = [p.grad for p in parts.model.parameters() if p.grad is not None]
     moments = [v for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
