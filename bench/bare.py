@@ -36,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from src.datasets import IDX_FILES, find_file, find_idx_folder, read_idx  # noqa: E402
+from src.datasets import IDX_FILES, find_idx_folder, idx_files, read_idx  # noqa: E402
 from src.engine.data import GlobalBatchSampler  # noqa: E402
 
 
@@ -106,8 +106,9 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
 
     folder = find_idx_folder(Path(args.root), "FashionMNIST")
-    images = read_idx(find_file(folder, IDX_FILES["train"][0])).unsqueeze(1).to(device)
-    labels = read_idx(find_file(folder, IDX_FILES["train"][1])).long().to(device)
+    images_file, labels_file = (idx_files(folder)[name] for name in IDX_FILES["train"])
+    images = read_idx(images_file).unsqueeze(1).to(device)
+    labels = read_idx(labels_file).long().to(device)
     model, mean, std, seed = recipe(args.model)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=layout)

@@ -400,7 +400,9 @@ from src.engine import config, launch  # config: the schema conf/config.yaml sta
 @hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
 def job(cfg):
     train = pickle.loads(open({payload!r}, "rb").read())
-    assert "src.engine.app" not in sys.modules, "the function was pickled by reference"
+    # By reference, it would be the module's own function (the sweep's Hydra callback imports it).
+    module = sys.modules.get("src.engine.app")
+    assert train is not getattr(module, "train", None), "the function was pickled by reference"
     print("rank 0 returned", launch.start_workers(train, cfg, cfg.parallel.nproc_per_node))
 
 if __name__ == "__main__":  # the DDP workers import this file too
