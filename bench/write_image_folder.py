@@ -26,7 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     source = IDX(args.root, download=False, torchvision_class=args.torchvision_class)
     for split, count in (("train", args.train), ("test", args.test)):
-        images, labels = (t[:count] for t in source.split(split).tensors())
+        images, labels = (t[:count] for t in source.split(split).tensors)
         for i, (image, label) in enumerate(zip(images, labels.tolist(), strict=True)):
             folder = args.out / split / f"{label}"
             folder.mkdir(parents=True, exist_ok=True)
