@@ -175,7 +175,7 @@ def test_the_guards_share_one_all_reduce_per_check():
     run = a_run(process=process)
     run.hooks = Hooks([UnwrittenMetrics(), NonFinite()])  # and the loop's stop signal
     run.checkpointer = Checkpointer(Checkpointing(), Path("unused"), process, parts(), {}, None)
-    run.hooks.after_step(run, parts(), Progress(step=1), torch.tensor(0.5))
+    run.hooks.call("after_step", run, parts(), Progress(step=1), torch.tensor(0.5))
     assert run.hooks.check(run, Progress(step=1), 0.5, parts().model) == 0.5
     assert process.reduced == [[0.5, False, False, False, False]]
 

@@ -143,12 +143,9 @@ class Schedule:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     every_step: bool = False
 
-    def after_step(self) -> None:
-        if self.every_step:
-            self.scheduler.step()
-
-    def after_epoch(self) -> None:
-        if not self.every_step:
+    def after(self, step: bool) -> None:
+        """Step the scheduler after an optimizer `step` (else an epoch), if it counts those."""
+        if step == self.every_step:
             self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -208,21 +205,18 @@ class Hooks(list[Hook]):
 
     def active(self, run: Run, parts: Parts, progress: Progress) -> ExitStack:
         stack = ExitStack()
-        for hook in self:
+        for hook in self.at("active"):
             stack.enter_context(hook.active(run, parts, progress))
         return stack
 
-    def epoch_started(self, run: Run, progress: Progress) -> None:
-        for hook in self:
-            hook.epoch_started(run, progress)
+    def call(self, point: str, *args: Any) -> None:
+        """Each hook's `point` (epoch_started, after_step, epoch_ended), in order."""
+        for hook in self.at(point):
+            getattr(hook, point)(*args)
 
-    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
-        for hook in self:
-            hook.after_step(run, parts, progress, loss)
-
-    def epoch_ended(self, run: Run, parts: Parts, progress: Progress) -> None:
-        for hook in self:
-            hook.epoch_ended(run, parts, progress)
+    def at(self, point: str) -> list[Hook]:
+        """The hooks that do something at `point`: those whose class overrides Hook's."""
+        return [hook for hook in self if getattr(type(hook), point) is not getattr(Hook, point)]
 
     def check(
         self, run: Run, progress: Progress, loss: float = 0.0, weights: nn.Module | None = None

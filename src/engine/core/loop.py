@@ -35,9 +35,9 @@ def fit(run: Run, parts: Parts, progress: Progress) -> Fitted:
         return Fitted(progress.ended_in, progress.step, progress.best)
     with hooks.active(run, parts, progress), handling(hooks.received, *STOP_SIGNALS):
         while not (why := why_finished(progress, run)):
-            hooks.epoch_started(run, progress)
+            hooks.call("epoch_started", run, progress)
             train_epoch(run, parts, progress)
-            hooks.epoch_ended(run, parts, progress)
+            hooks.call("epoch_ended", run, parts, progress)
             hooks.check(run, progress, weights=parts.model)  # nothing bad is validated or saved
             if run.settings.validates:
                 val = evaluate_and_log(run, parts.model, "val", progress.record, progress.about)
@@ -77,9 +77,9 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         logs = (progress.step + 1) % trainer.log_every_n_steps == 0
         loss, grad_norm = train_step(run, parts, batch, measure_norm=logs)
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step used
-        parts.schedule.after_step()
+        parts.schedule.after(step=True)
         progress.step, progress.epoch_step = progress.step + 1, progress.epoch_step + 1
-        hooks.after_step(run, parts, progress, loss)
+        hooks.call("after_step", run, parts, progress, loss)
         if logs:  # the ranks agree on the loss (and on the guards' checks), and it is logged
             mean = hooks.check(run, progress, loss.item())
             if run.logger:
@@ -95,7 +95,7 @@ def train_epoch(run: Run, parts: Parts, progress: Progress) -> None:
         if run.checkpointer.due(progress.step):
             save(run, parts, progress)
     if progress.epoch_step == data.steps_per_epoch:
-        parts.schedule.after_epoch()
+        parts.schedule.after(step=False)
 
 
 def save(run: Run, parts: Parts, progress: Progress) -> None:
