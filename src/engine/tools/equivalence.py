@@ -61,8 +61,9 @@ class NotEquivalent(CompactHydraException):
 
 
 @dataclass
-class Trace:
-    """What one layout did."""
+class Trace(Hook):
+    """What one layout did, watched after each step: the loss over the global batch, the weights,
+    and what makes layouts differ."""
 
     losses: list[float] = field(default_factory=list)  # each step's loss over its global batch
     # Each step's weights, each tensor as (its projection, its largest size): see `projections`.
@@ -75,6 +76,26 @@ class Trace:
     failed: str | None = None  # DDP's refusal that ended its training early, and its step
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference's largest
     adaptive: bool = False  # the reference's optimizer divides by the gradients' running size
+    directions: dict[str, torch.Tensor] = field(default_factory=dict)  # each tensor's, made once
+
+    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
+        model, process = unwrap(parts.model), run.process
+        step, parameters = progress.step, list(model.named_parameters())
+        self.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
+        whole = checkpoint.Weights(parts.model).state_dict()  # gathered onto rank 0 if sharded
+        self.projected.append(projections(whole, self.directions))
+        if step == 1:
+            self.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
+            self.rank_buffers = list(differing(process, list(model.named_buffers())))
+        if self.drifted is None and not run.strategy.sharded:  # sharded: each rank its own part
+            found = differing(process, parameters)
+            self.drifted = next(((step, name, rank) for name, rank in found.items()), None)
+        if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
+            sizes = {n: p.grad.detach().abs().cpu() for n, p in parameters if p.grad is not None}
+            seen = self.gradients
+            self.gradients = {n: torch.maximum(seen.get(n, g), g) for n, g in sizes.items()}
+            state = parts.optimizer.state.values()
+            self.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
 
 
 def check(cfg: DictConfig) -> None:
@@ -100,14 +121,15 @@ def check(cfg: DictConfig) -> None:
     storage.admit()  # its verdict's log stays in the run folder, pass or fail
     gpus = torch.cuda.device_count() >= PROCESSES and str(cfg.device) in ("auto", "cuda")
     device, mode = "cuda" if gpus else "cpu", build.build_strategy(group).name
-    in_what = (
+    log.info(
+        "Training %d steps in each layout, %s, dropout off, on %s",
+        steps,
         "in float64, so that rounding cannot pass for a difference (debug.precision=train: in "
         "the config's own precision)"
         if precision == "64"
-        else f"in trainer.precision={own} (debug.precision=train)"
+        else f"in trainer.precision={own} (debug.precision=train)",
+        "GPUs (nccl)" if gpus else "the CPU (gloo)",
     )
-    on = "GPUs (nccl)" if gpus else "the CPU (gloo)"
-    log.info("Training %d steps in each layout, %s, dropout off, on %s", steps, in_what, on)
     one, run = compared(cfg, device, micro, precision == "64")
     trainer = run.trainer
     if tolerance is None:
@@ -125,11 +147,13 @@ def check(cfg: DictConfig) -> None:
             f"Not equivalent: {' and '.join(differ)} trained something else than 1 process did "
             f"(tolerance {tolerance:.0e}). Likely causes:\n" + "\n".join(f"- {c}" for c in causes)
         )
-    within = {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's")
-    changes = " and trainer.accumulate_grad_batches change" if micro else " changes"
     log.info(
-        f"Equivalent: every layout trains this config as one process does, within {within} "
-        f"rounding (tolerance {tolerance:.0e}): parallel={mode}{changes} only the speed."
+        "Equivalent: every layout trains this config as one process does, within %s rounding "
+        "(tolerance %.0e): parallel=%s%s only the speed.",
+        {FLOAT64: "float64", FLOAT32: "float32"}.get(tolerance, "its precision's"),
+        tolerance,
+        mode,
+        " and trainer.accumulate_grad_batches change" if micro else " changes",
     )
 
 
@@ -235,7 +259,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     # of the weights) that the layout trained before would otherwise hand on to this one.
     policy = replace(run.settings.checkpoint, save=False)  # no file
     settings = replace(run.settings, trainer=trainer, task=build.build_task(cfg), checkpoint=policy)
-    run = replace(run, settings=settings, hooks=Hooks([build.build_callbacks(cfg), Watcher(trace)]))
+    run = replace(run, settings=settings, hooks=Hooks([build.build_callbacks(cfg), trace]))
     model = build.build_model(cfg, run, weights)
     dropouts_off(unwrap(model))
     # The schedule planned as configured; then only debug.steps of it, whatever the config's
@@ -256,35 +280,8 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
             trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
     state = checkpoint.Weights(model).state_dict()  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+    trace.directions.clear()  # as large as the weights: not sent back from the processes
     return trace
-
-
-class Watcher(Hook):
-    """After each step: the loss over the global batch, the weights, and what makes layouts
-    differ."""
-
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
-        self.directions: dict[str, torch.Tensor] = {}  # each tensor's, made once
-
-    def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
-        model, process = unwrap(parts.model), run.process
-        trace, step, parameters = self.trace, progress.step, list(model.named_parameters())
-        trace.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
-        whole = checkpoint.Weights(parts.model).state_dict()  # gathered onto rank 0 if sharded
-        trace.projected.append(projections(whole, self.directions))
-        if step == 1:
-            trace.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
-            trace.rank_buffers = list(differing(process, list(model.named_buffers())))
-        if trace.drifted is None and not run.strategy.sharded:  # sharded: each rank its own part
-            found = differing(process, parameters)
-            trace.drifted = next(((step, name, rank) for name, rank in found.items()), None)
-        if process.world_size == 1 and run.trainer.accumulate_grad_batches == 1:  # the reference
-            sizes = {n: p.grad.detach().abs().cpu() for n, p in parameters if p.grad is not None}
-            seen = trace.gradients
-            trace.gradients = {n: torch.maximum(seen.get(n, g), g) for n, g in sizes.items()}
-            state = parts.optimizer.state.values()
-            trace.adaptive = any(key in ADAPTIVE_STATE for s in state for key in s)
 
 
 def projections(
@@ -376,19 +373,15 @@ def table(rows: dict[str, Difference], reference: Trace, monitor: str = "") -> s
     lines[0] += [f"{s} correct" if counted[s] else f"{s} loss" for s in evals]
     for name, row in rows.items():
         loss, step = max(((d, step) for step, d in enumerate(row.steps, 1)), default=(0.0, None))
-        (weight, where), failed = row.weight, row.failed
-        cells = [f"failed at {failed.split(':')[0]}" if failed else f"{loss:.1e} ({step})"]
-        cells += [f"{weight:.1e} ({where})"]
-        if name.endswith("(reference)"):  # its own correct counts (or losses)
+        failed = row.failed and f"failed at {row.failed.split(':')[0]}"
+        cells = [failed or f"{loss:.1e} ({step})", "{:.1e} ({})".format(*row.weight)]
+        if first := name.endswith("(reference)"):  # its own correct counts (or losses)
             cells = ["-", "-"]
         cells += ["-" if row.monitored is None else f"{row.monitored:.4f}"] * shown
         for s, m in evals.items():
-            if name.endswith("(reference)"):
-                own = f"{m[f'{s}/correct']}/{m['size']}"
-                cells.append(own if counted[s] else f"{m.get(f'{s}/loss', math.nan):.4g}")
-            else:
-                change = f"{row.correct.get(s, 0):+d}"
-                cells.append(change if counted[s] else f"{row.eval_losses.get(s, 0.0):.1e}")
+            own = (f"{m.get(f'{s}/correct')}/{m['size']}", f"{m.get(f'{s}/loss', math.nan):.4g}")
+            change = (f"{row.correct.get(s, 0):+d}", f"{row.eval_losses.get(s, 0.0):.1e}")
+            cells.append((own if first else change)[not counted[s]])
         lines.append([name, *cells])
     widths = [max(map(len, column)) for column in zip(*lines, strict=True)]
     return "\n".join("  ".join(map(str.ljust, line, widths)).rstrip() for line in lines)
@@ -404,64 +397,52 @@ def likely_causes(
 ) -> list[str]:
     """What could make the layouts `differ`, from the runs and the one-process model `probed`."""
     reference, strategy = next(iter(layouts.values())), build.build_strategy(processes.parallel)
-    failures = dict.fromkeys(layouts[name].failed for name in differ if layouts[name].failed)
-    causes = [
-        f"{' and '.join(n for n in differ if layouts[n].failed == f)} stopped at {f}"
-        for f in failures
-    ]
-    if reference.no_grad and not getattr(strategy, "find_unused_parameters", False):
-        causes.append(
-            f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
-            "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
-            "them out of the model"
-        )
     norms = [  # those that normalise by this process's batch alone (SyncBatchNorm shares it)
         name
         for name, m in probed[0].named_modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
     ]
     layers = f"BatchNorm layers ({', '.join(norms[:5])})"
-    if norms and getattr(strategy, "sync_batchnorm", False):
-        causes.append(
-            f"{layers} normalise each micro-batch by its own statistics, which no setting changes "
-            "(parallel.sync_batchnorm=true covers the processes only)"
-        )
-    elif norms:
-        micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
-        causes.append(
-            f"{layers} normalise each process's share{micro} by its own statistics: "
-            "parallel.sync_batchnorm=true shares them between processes (CUDA GPUs), or use "
-            "GroupNorm or LayerNorm"
-        )
+    synced = getattr(strategy, "sync_batchnorm", False)  # FSDP has neither key
+    micro = " and each micro-batch" if any("micro-batches" in name for name in differ) else ""
     ddp_buffers = {b for name in differ for b in layouts[name].rank_buffers}
     others = sorted(b for b in ddp_buffers if not b.startswith(tuple(f"{n}." for n in norms)))
-    if others:
-        causes.append(
-            f"buffers that differ between the DDP processes after a step: {', '.join(others[:5])}"
-        )
-    for name in differ:  # after a failure, the ranks' weights are anyone's guess
-        if (drifted := layouts[name].drifted) and not layouts[name].failed:
-            step, parameter, rank = drifted
-            causes.append(
-                f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
-                "some code changes weights outside the optimizer step, on some ranks only"
-            )
+    failed = {n: layouts[n].failed for n in differ if layouts[n].failed}
+    # After a failure, the ranks' weights are anyone's guess.
+    drifted = {n: layouts[n].drifted for n in differ if layouts[n].drifted and n not in failed}
     first, again, other = (gradients(*probed, seed) for seed in (0, 0, 1))
-    if not all(torch.equal(a, b) for a, b in zip(first, again, strict=True)):
-        causes.append(
-            "the same step twice gives other gradients: non-deterministic kernels; run with "
-            "trainer.deterministic=true"
-        )
-    elif not all(torch.equal(a, b) for a, b in zip(first, other, strict=True)):
-        causes.append(
-            "the model draws random numbers in training (not in a dropout layer, which is off "
-            "here): each process draws its own; use a dropout layer, or draw in eval mode only"
-        )
+    unrepeatable = not all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    random = not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
-    parted = course(differ, rows, tolerance, probed[1].trainer.precision == "64")
-    causes += filter(None, [zero_gradients(reference, where), parted])
-    return causes or [
+    causes = {  # each cause, and whether it holds
+        **{f"{' and '.join(n for n in failed if failed[n] == f)} stopped at {f}": True
+           for f in failed.values()},
+        f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
+        "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
+        "them out of the model": (
+            reference.no_grad and not getattr(strategy, "find_unused_parameters", False)
+        ),
+        f"{layers} normalise each micro-batch by its own statistics, which no setting changes "
+        "(parallel.sync_batchnorm=true covers the processes only)": norms and synced,
+        f"{layers} normalise each process's share{micro} by its own statistics: "
+        "parallel.sync_batchnorm=true shares them between processes (CUDA GPUs), or use "
+        "GroupNorm or LayerNorm": norms and not synced,
+        "buffers that differ between the DDP processes after a step: "
+        f"{', '.join(others[:5])}": others,
+        **{f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
+           "some code changes weights outside the optimizer step, on some ranks only": True
+           for name, (step, parameter, rank) in drifted.items()},
+        "the same step twice gives other gradients: non-deterministic kernels; run with "
+        "trainer.deterministic=true": unrepeatable,
+        "the model draws random numbers in training (not in a dropout layer, which is off "
+        "here): each process draws its own; use a dropout layer, or draw in eval mode only": (
+            random and not unrepeatable
+        ),
+        zero_gradients(reference, where): True,
+        course(differ, rows, tolerance, probed[1].trainer.precision == "64"): True,
+    }  # fmt: skip
+    return [cause for cause, holds in causes.items() if cause and holds] or [
         f"none this check can see; the largest weight difference is in {where} ({worst})"
     ]
 
