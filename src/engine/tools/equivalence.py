@@ -187,9 +187,8 @@ def compared(
             gradients(*probe(one, run))
             return one, run
         except (UserError, RuntimeError, TypeError) as err:
-            if isinstance(err, UserError) and err.__context__ is None:  # refused in any precision
-                raise
-            error = err.__context__ if isinstance(err, UserError) else err
+            if (error := err.__context__ if isinstance(err, UserError) else err) is None:
+                raise  # refused in any precision
             log.warning(
                 f"Comparing in trainer.precision={cfg.trainer.precision} instead, with its "
                 f"tolerance: the model fails in float64 ({first_line(error)})"
@@ -477,10 +476,9 @@ def course(
     the weights agree after every step, what differs then (the reported loss, the evaluation)."""
     # A failure, or ranks that drifted apart, is a cause of its own, named above.
     trained = [name for name in differ if not (rows[name].failed or rows[name].drifted)]
-    if not trained:
-        return None
-    name = max(trained, key=lambda n: rows[n].steps[0] if rows[n].steps else 0.0)
-    if rows[name].steps and (at := rows[name].steps[0]) > tolerance:
+    firsts = {n: rows[n].steps[0] for n in trained if rows[n].steps}  # step 1's loss difference
+    name = max(firsts, key=firsts.get, default=None)
+    if name and (at := firsts[name]) > tolerance:
         return (
             f"in {name} the loss differs from the first step ({at:.1e}): the layouts compute "
             "something else (a sample, a scale, the model's own state), not rounding"
