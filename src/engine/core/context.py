@@ -205,18 +205,17 @@ class Hooks(list[Hook]):
 
     def active(self, run: Run, parts: Parts, progress: Progress) -> ExitStack:
         stack = ExitStack()
-        for hook in self.at("active"):
-            stack.enter_context(hook.active(run, parts, progress))
+        for context in self.call("active", run, parts, progress):
+            stack.enter_context(context)
         return stack
 
-    def call(self, point: str, *args: Any) -> None:
-        """Each hook's `point` (epoch_started, after_step, epoch_ended), in order."""
-        for hook in self.at(point):
-            getattr(hook, point)(*args)
-
-    def at(self, point: str) -> list[Hook]:
-        """The hooks that do something at `point`: those whose class overrides Hook's."""
-        return [hook for hook in self if getattr(type(hook), point) is not getattr(Hook, point)]
+    def call(self, point: str, *args: Any) -> list[Any]:
+        """Each hook's `point` (active, epoch_started, after_step, epoch_ended), in order, and what
+        each returns: only the hooks that do something there (whose class overrides Hook's)."""
+        overriding = [
+            hook for hook in self if getattr(type(hook), point) is not getattr(Hook, point)
+        ]
+        return [getattr(hook, point)(*args) for hook in overriding]
 
     def check(
         self, run: Run, progress: Progress, loss: float = 0.0, weights: nn.Module | None = None
