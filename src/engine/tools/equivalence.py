@@ -5,6 +5,7 @@ config's precision: debug.precision=train), and exits 1 naming likely causes whe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -76,14 +77,13 @@ class Trace(Hook):
     failed: str | None = None  # DDP's refusal that ended its training early, and its step
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference's largest
     adaptive: bool = False  # the reference's optimizer divides by the gradients' running size
-    directions: dict[str, torch.Tensor] = field(default_factory=dict)  # each tensor's, made once
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
         model, process = unwrap(parts.model), run.process
         step, parameters = progress.step, list(model.named_parameters())
         self.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
         whole = checkpoint.Weights(parts.model).state_dict()  # gathered onto rank 0 if sharded
-        self.projected.append(projections(whole, self.directions))
+        self.projected.append(projections(whole))
         if step == 1:
             self.no_grad = [n for n, p in parameters if p.requires_grad and p.grad is None]
             self.rank_buffers = list(differing(process, list(model.named_buffers())))
@@ -279,13 +279,10 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
             trace.evals[split] = {**evaluate(run, model, split), "size": data.size(split)}
     state = checkpoint.Weights(model).state_dict()  # gathered onto rank 0 where the mode shards it
     trace.weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
-    trace.directions.clear()  # as large as the weights: not sent back from the processes
     return trace
 
 
-def projections(
-    state: dict[str, torch.Tensor], directions: dict[str, torch.Tensor]
-) -> dict[str, tuple[float, float]]:
+def projections(state: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
     """Each float tensor of `state` as 2 numbers instead of a copy of it each step: its projection
     on a fixed random direction (normal, the same in every process), divided by √size, and its
     largest size. Two layouts' projections differ by about the root mean square of their weights'
@@ -295,12 +292,16 @@ def projections(
         if not (tensor.is_floating_point() and tensor.numel()):
             continue
         flat = tensor.detach().to("cpu", torch.float64).flatten()
-        if name not in directions:
-            seeded = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            directions[name] = torch.randn(flat.numel(), generator=seeded, dtype=torch.float64)
-        projection = (flat @ directions[name]).item() / math.sqrt(flat.numel())
+        projection = (flat @ direction(name, flat.numel())).item() / math.sqrt(flat.numel())
         found[name] = (projection, flat.abs().max().item())
     return found
+
+
+@functools.cache  # made once in a process, for every step and layout
+def direction(name: str, size: int) -> torch.Tensor:
+    """Tensor `name`'s random direction: normal, from a seed of its name (the same everywhere)."""
+    seeded = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(size, generator=seeded, dtype=torch.float64)
 
 
 def dropouts_off(model: nn.Module) -> None:
