@@ -13,12 +13,12 @@ from torch import nn
 from src.engine import checkpoint
 from src.engine.build import configure_kernels
 from src.engine.config import Trainer
-from src.engine.core.context import Parts, Schedule
+from src.engine.core.context import Parts, Progress, Schedule
 from src.engine.errors import UserError
 from src.engine.parallel import Process, rank_gpu
 from src.engine.parallel.dp import check_data_parallel
 from src.engine.parallel.none import Single
-from src.engine.tools.warmup import warm_up
+from src.engine.tools.warmup import WarmUp
 
 
 @pytest.mark.unit
@@ -132,7 +132,7 @@ def test_warm_up_runs_each_batch_shape_twice(tiny_data):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     parts = Parts(model, optimizer, Schedule(scheduler), torch.amp.GradScaler("cpu", enabled=False))
-    warm_up(a_run(data=data, warmup_steps=1), parts, 0)
+    WarmUp().active(a_run(data=data, warmup_steps=1), parts, Progress())
     assert model.seen == [64, 64, 8, 8]  # 200 training images: 3 batches of 64, then 8
 
 
