@@ -53,16 +53,14 @@ class Best:
         self.stale += 1
         return False
 
-    @classmethod
-    def resume(cls, monitor: str, mode: str, saved: dict[str, Any] | None) -> Best:
-        """The record a checkpoint saved, if it watched the same monitor; else a fresh one."""
-        if saved and (saved["monitor"], saved["mode"]) == (monitor, mode):
-            return cls(**saved)
-        if saved:
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """The record a checkpoint saved, if it watched the same monitor; else this fresh one."""
+        if saved and (saved["monitor"], saved["mode"]) == (self.monitor, self.mode):
+            vars(self).update(saved)
+        elif saved:
             log.warning("The checkpoint picked its best epoch by %s (%s), this run by %s (%s): "
-                        "the best so far starts afresh.", saved["monitor"], saved["mode"], monitor,
-                        mode)  # fmt: skip
-        return cls(monitor, mode)
+                        "the best so far starts afresh.", saved["monitor"], saved["mode"],
+                        self.monitor, self.mode)  # fmt: skip
 
 
 @dataclass
@@ -94,7 +92,7 @@ class Progress:
                 setattr(self, name, value)
         self.epoch_step = self.rebatched(batches, saved)
         if self.best:
-            self.best = Best.resume(self.best.monitor, self.best.mode, state.get("best"))
+            self.best.load_state_dict(state.get("best"))
         if self.epoch_step >= math.ceil(self.train_size / self.batch_size):  # an epoch's end
             self.epoch, self.epoch_step = self.epoch + 1, 0
         log.info("Resuming at epoch %d, after %d of its batches, step %d",
