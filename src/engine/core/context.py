@@ -10,13 +10,12 @@ conf/callbacks/ naming its class by `_target_`); `Callbacks` is the one hook tha
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import traceback
 import warnings
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -79,9 +78,9 @@ class Progress:
 
     def state_dict(self) -> dict[str, Any]:
         """Every field (a field added is saved and loaded too), `best` as a plain dict."""
-        saved = [f.name for f in dataclasses.fields(self) if f.metadata.get("saved", True)]
+        saved = [f.name for f in fields(self) if f.metadata.get("saved", True)]
         state = {name: getattr(self, name) for name in saved}
-        return state | {"best": self.best and dataclasses.asdict(self.best)}
+        return state | {"best": self.best and asdict(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the checkpoint stood: at the same image of its epoch (under any batch

@@ -26,7 +26,6 @@ from src.engine.core.evaluate import evaluate
 from src.engine.core.loop import fit
 from src.engine.errors import UserError, first_line
 from src.engine.guards import differing
-from src.engine.parallel import pick_device, unwrap
 
 log = logging.getLogger("equivalence")
 
@@ -79,7 +78,7 @@ class Trace(Hook):
     adaptive: bool = False  # the reference's optimizer divides by the gradients' running size
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
-        model, process = unwrap(parts.model), run.process
+        model, process = parallel.unwrap(parts.model), run.process
         step, parameters = progress.step, list(model.named_parameters())
         self.losses.append(process.sum_over_ranks([loss.item()])[0] / process.world_size)
         whole = checkpoint.Weights(parts.model).state_dict()  # gathered onto rank 0 if sharded
@@ -179,7 +178,7 @@ def compared(
     cfg: DictConfig, device: str, micro: int | None, float64: bool
 ) -> tuple[DictConfig, Run]:
     """The one-process layouts' config and run: in float64 where asked and possible, else not."""
-    process = parallel.Process(device=pick_device(device))
+    process = parallel.Process(device=parallel.pick_device(device))
     if float64:
         one = layout_config(cfg, device, micro, preset("none"), "64")
         run = set_up(one, process)
@@ -260,7 +259,7 @@ def train_layout(cfg: DictConfig, run: Run, weights: tuple | None, micro: int) -
     settings = replace(run.settings, trainer=trainer, task=build.build_task(cfg), checkpoint=policy)
     run = replace(run, settings=settings, hooks=Hooks([build.build_callbacks(cfg), trace]))
     model = build.build_model(cfg, run, weights)
-    dropouts_off(unwrap(model))
+    dropouts_off(parallel.unwrap(model))
     # The schedule planned as configured; then only debug.steps of it, whatever the config's
     # epochs, a check after each step.
     parts, progress, run.checkpointer = build.build_parts(cfg, run, model, None)
@@ -537,7 +536,7 @@ def probe(cfg: DictConfig, run: Run) -> tuple[nn.Module, Run, tuple]:
     """The config's model as one process builds it, dropout off, its run, and its first batch."""
     model = build.build_model(cfg, run, checkpoint.find_weights(run.settings, run.process))
     model.train()
-    dropouts_off(unwrap(model))
+    dropouts_off(parallel.unwrap(model))
     return model, run, next(run.data.train_batches(1))
 
 
