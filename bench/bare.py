@@ -165,7 +165,7 @@ def main() -> None:
             step(first)
         sync(device, ddp)
         seconds = []
-        for _ in range(args.epochs):  # each timed alone, as the template's EpochProgress hook times it
+        for _ in range(args.epochs):  # each timed alone, as the template's Speed hook times it
             started = time.perf_counter()
             for first in starts[: args.steps]:
                 step(first)

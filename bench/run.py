@@ -139,7 +139,7 @@ def measure(row: dict, args: argparse.Namespace, folder: Path) -> dict:
         line = json.loads(result.stdout.strip().splitlines()[-1])
         first = {k: v for k, v in line.items() if not k.startswith("steady/")}
         steady = {k.replace("steady/", "time/"): v for k, v in line.items() if "steady/" in k}
-    else:  # the EpochProgress hook's line of each epoch in metrics.jsonl
+    else:  # the Speed hook's line of each epoch in metrics.jsonl
         lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         first, steady = [line for line in lines if "time/images_per_s" in line]
     return {

@@ -37,7 +37,7 @@ from src.engine.logger import MetricsLogger, open_logger
 from src.engine.parallel import PROTOCOL, Process, Strategy, own_keys, unwrap
 from src.engine.tools.overfit import Overfit
 from src.engine.tools.profiler import Profiler
-from src.engine.tools.progress import EpochProgress
+from src.engine.tools.progress import ProgressBar, Speed
 from src.engine.tools.warmup import WarmUp
 
 log = logging.getLogger("train")
@@ -205,7 +205,7 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
     if (every := getattr(settings.parallel, "check_sync_every_n_steps", None)) is not None:
         hooks.append(guards.DriftGuard(every))  # the ranks' weights compared
     hooks.append(build_callbacks(cfg))  # the config's callbacks= list
-    hooks += [EpochProgress()] + ([Profiler()] if trainer.profile else [])
+    hooks += [ProgressBar(), Speed()] + ([Profiler()] if trainer.profile else [])
     if (below := (cfg.debug or {}).get("overfit_below")) is not None:
         hooks.append(Overfit(below))  # debug=overfit's verdict
     run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)

@@ -22,9 +22,8 @@ log = logging.getLogger(__name__)
 tqdm.set_lock(threading.RLock())
 
 
-class EpochProgress(Hook):
-    """tqdm's bar over the epoch's steps, from where a resumed epoch stands; and the time of its
-    training steps, from the first to the last (not its validation)."""
+class ProgressBar(Hook):
+    """tqdm's bar over the epoch's steps, from where a resumed epoch stands."""
 
     def epoch_started(self, run: Run, progress: Progress) -> None:
         step, steps = progress.epoch_step, run.data.steps_per_epoch
@@ -32,15 +31,23 @@ class EpochProgress(Hook):
         self.bar = tqdm(
             initial=step, total=steps, desc=f"epoch {progress.epoch}", leave=False, disable=hidden
         )
-        if run.process.device.type == "cuda":  # this epoch's peak, not an earlier evaluation's
-            torch.cuda.reset_peak_memory_stats(run.process.device)
-        self.started, self.skipped = time.perf_counter(), step * run.data.batch_size
 
     def after_step(self, run: Run, parts: Parts, progress: Progress, loss: torch.Tensor) -> None:
         self.bar.update()
 
     def epoch_ended(self, run: Run, parts: Parts, progress: Progress) -> None:
         self.bar.close()
+
+
+class Speed(Hook):
+    """Times each epoch's training steps, from the first to the last (not its validation)."""
+
+    def epoch_started(self, run: Run, progress: Progress) -> None:
+        if run.process.device.type == "cuda":  # this epoch's peak, not an earlier evaluation's
+            torch.cuda.reset_peak_memory_stats(run.process.device)
+        self.started, self.skipped = time.perf_counter(), progress.epoch_step * run.data.batch_size
+
+    def epoch_ended(self, run: Run, parts: Parts, progress: Progress) -> None:
         data, device = run.data, run.process.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
