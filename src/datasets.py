@@ -6,6 +6,7 @@ decoding."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import importlib
@@ -43,29 +44,47 @@ def torchvision_dataset(name: str) -> type:
 
 
 class Torchvision:
-    """Any torchvision dataset of (PIL image, label) (KMNIST, SVHN…), converted as ImageFolder's."""
+    """Any torchvision dataset of (PIL image, label) (KMNIST, SVHN…), converted as ImageFolder's. A
+    subclass of images of one shape (CIFAR10, IDX) sets `channels` and `size`: data.image_size and
+    data.in_channels may only agree."""
 
     what, download_size = "files", None  # for the messages (a full disk names the size)
+    default_class, channels, size, name = (
+        "",
+        None,
+        None,
+        None,
+    )  # a fixed shape's; name: for messages
 
     def __init__(
         self,
         root: str,
-        torchvision_class: str,
+        torchvision_class: str | None = None,
         download: bool = True,
         split_argument: str = "train",
         image_size: int | None = None,
-        in_channels: int = 3,
+        in_channels: int | None = None,
     ):
+        torchvision_class = torchvision_class or self.default_class
+        fixed = {"image_size": (image_size, self.size), "in_channels": (in_channels, self.channels)}
+        for key, (asked, has) in fixed.items():
+            if has and asked not in (None, has):
+                raise UserError(
+                    f"data.{key}={asked}, but {self.name or torchvision_class} images have {has}. "
+                    f"Leave it at {has}: only data=image_folder resizes and converts images."
+                )
         if split_argument not in ("train", "split"):
             raise UserError(f"data.split_argument={split_argument}: use train or split.")
         self.root, self.torchvision_class, self.download = Path(root), torchvision_class, download
         self.split_argument, self.image_size = split_argument, image_size
-        self.in_channels, self.classes = in_channels, None
+        self.in_channels, self.classes = self.channels or in_channels or 3, None
 
-    def _open(self, name: str, root: Path | None = None, download: bool = False) -> Dataset:
+    def _open(self, name: str, root: Path | None = None, download: bool = False, **keys) -> Dataset:
         asked = {"train": name == "train"} if self.split_argument == "train" else {"split": name}
         folder = str(root or self.root)
-        return torchvision_dataset(self.torchvision_class)(folder, download=download, **asked)
+        return torchvision_dataset(self.torchvision_class)(
+            folder, download=download, **asked, **keys
+        )
 
     def found(self) -> bool:
         try:
@@ -121,9 +140,13 @@ class Torchvision:
         )
 
     def split(self, name: str) -> Dataset:
-        dataset = self._open(name)
+        """The split, its images converted and resized by `to_uint8` (torchvision's `transform`)."""
+        convert = functools.partial(
+            to_uint8, in_channels=self.in_channels, image_size=self.image_size
+        )
+        dataset = self._open(name, transform=convert, target_transform=int)
         self.classes = list(dataset.classes) if hasattr(dataset, "classes") else None
-        return Converted(dataset, self.in_channels, self.image_size)
+        return dataset
 
     def cache_path(self, name: str) -> Path:
         size = self.image_size or "orig"
@@ -137,31 +160,7 @@ class Torchvision:
         return f"{self.torchvision_class} in {self.root}"
 
 
-class FixedSize(Torchvision):
-    """Images of one shape (CIFAR10, IDX): data.image_size and data.in_channels may only agree."""
-
-    default_class, channels, size, name = "", 0, 0, None  # each subclass's; name: for messages
-
-    def __init__(
-        self,
-        root: str,
-        download: bool = True,
-        torchvision_class: str | None = None,
-        image_size: int | None = None,
-        in_channels: int | None = None,
-    ):
-        torchvision_class = torchvision_class or self.default_class
-        fixed = {"image_size": (image_size, self.size), "in_channels": (in_channels, self.channels)}
-        for key, (asked, has) in fixed.items():
-            if asked not in (None, has):
-                raise UserError(
-                    f"data.{key}={asked}, but {self.name or torchvision_class} images have {has}. "
-                    f"Leave it at {has}: only data=image_folder resizes and converts images."
-                )
-        super().__init__(root, torchvision_class, download, in_channels=self.channels)
-
-
-class CIFAR10(FixedSize):
+class CIFAR10(Torchvision):
     """CIFAR-10 (60,000 32×32 images, 10 classes) in `root/cifar-10-batches-py`, checksummed."""
 
     default_class, channels, size, name, download_size = "CIFAR10", 3, 32, "CIFAR-10", "170 MB"
@@ -182,7 +181,7 @@ class CIFAR10(FixedSize):
         return str(self.root / "cifar-10-batches-py")
 
 
-class IDX(FixedSize):
+class IDX(Torchvision):
     """Four MNIST-style IDX files (28×28 grey, numbered classes) in `root` or `root/<Class>/raw`."""
 
     default_class, channels, size, what, download_size = "MNIST", 1, 28, "IDX files", "70 MB"
@@ -293,20 +292,6 @@ def find_idx_folder(root: Path, torchvision_class: str) -> Path | None:
     """The folder holding all four files: `root` itself, or torchvision's `root/<Class>/raw`."""
     folders = (root, root / torchvision_class / "raw")
     return next((f for f in folders if all(idx_files(f).values())), None)
-
-
-class Converted(Dataset):
-    """A dataset of (PIL image, label), its images converted and resized by `to_uint8`."""
-
-    def __init__(self, dataset: Dataset, in_channels: int, image_size: int | None):
-        self.dataset, self.in_channels, self.image_size = dataset, in_channels, image_size
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, label = self.dataset[index]
-        return to_uint8(image, self.in_channels, self.image_size), int(label)
 
 
 class ImageFolder:

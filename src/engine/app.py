@@ -103,7 +103,8 @@ def job(cfg: DictConfig) -> float | None:
         return launch.run_worker(train, cfg)
     settings = read_settings(cfg)  # the config's values checked before any work
     parallel = settings.parallel
-    if launch.starts_workers_here(parallel.in_group):  # ddp, fsdp: the processes start here
+    # ddp, fsdp, and no launcher (torchrun's variables) started this one: the processes start here
+    if parallel.in_group and not any(v in os.environ for v in launch.TORCHRUN_VARIABLES):
         check_shares(cfg.data.batch_size, nproc := parallel.processes(cfg.device))  # before them
         return launch.start_workers(train, cfg, nproc)
     return train(cfg, settings=settings)

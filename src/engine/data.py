@@ -100,8 +100,11 @@ class Data(DataKeys):
 
     @property
     def name(self) -> str:
-        """The dataset as messages name it (where its files were found, once they are)."""
-        return named(self.source)
+        """The dataset as messages name it: by its class's `__str__` (where its files were found,
+        once they are), else by its class and the class's file."""
+        if type(self.source).__str__ is not object.__str__:
+            return str(self.source)
+        return f"{type(self.source).__name__} ({where(type(self.source))})"
 
     def setup(
         self,
@@ -114,7 +117,7 @@ class Data(DataKeys):
         # One process per machine finds (or downloads) the files and decodes them while the others
         # wait; gathering its verdict is the barrier, and every rank stops on an error.
         error, splits = None, ()
-        if process.is_local_main:
+        if process.local_rank == 0:
             try:
                 self.source.prepare()
                 splits = self._read("train"), self._read("test")
@@ -189,7 +192,7 @@ class Data(DataKeys):
         if isinstance(dataset, TensorDataset):  # torch's own: its `tensors` a tuple
             return dataset.tensors
         if hasattr(self.source, "cache_path"):
-            return cached(self.source, name, dataset)
+            return cached(self.source, name, dataset, self.name)
         return decode(dataset, name, self.name)
 
     def _hold(self, train: Split, test: Split) -> None:
@@ -206,17 +209,15 @@ class Data(DataKeys):
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.split_seed))
         self.train_index = order[self.val_size :].sort().values[: self.subset]
         self.val_index = order[: self.val_size].sort().values[: self.eval_subset]
-
-        def cut(index: Tensor, split: Split = train) -> Split:  # on the CPU: held once
-            if isinstance(split, tuple):
-                return tuple(t.index_select(0, index).to(self.device) for t in split)
-            return Subset(split, index.tolist())
-
-        self.train, self.val = cut(self.train_index), cut(self.val_index)
-        if self.eval_subset is not None:  # the first N test samples
-            count = len(test[1]) if isinstance(test, tuple) else len(test)
-            test = cut(torch.arange(min(self.eval_subset, count)), test)
-        self.test = tuple(t.to(self.device) for t in test) if isinstance(test, tuple) else test
+        count = len(test[1]) if isinstance(test, tuple) else len(test)
+        test_index = torch.arange(count)[: self.eval_subset]  # the first N test samples
+        cuts = {"train": self.train_index, "val": self.val_index, "test": test_index}
+        for split, index in cuts.items():  # cut on the CPU, then held on the device once
+            held = test if split == "test" else train
+            if isinstance(held, tuple):
+                setattr(self, split, tuple(t.index_select(0, index).to(self.device) for t in held))
+            else:
+                setattr(self, split, Subset(held, index.tolist()))
 
     def _describe(self) -> None:
         """The samples' kind (image or not, shapes, dtypes) and classes, checked with the config."""
@@ -293,8 +294,8 @@ class Data(DataKeys):
                     f"The training images of {self.name} are all one colour (std {std}): "
                     "nothing to learn from. Check data.root."
                 )
-            mean = mean if self.mean is None else self.mean  # either may have been given
-            std = std if self.std is None else self.std
+            given = ((mean, self.mean), (std, self.std))  # either may have been given
+            mean, std = (found if value is None else value for found, value in given)
         # One value for every channel, as torchvision's Normalize takes it, or one per channel.
         mean, std = (
             [v] * self.in_channels if isinstance(v, int | float) else list(v) for v in (mean, std)
@@ -304,7 +305,13 @@ class Data(DataKeys):
                 f"data.mean={mean} and data.std={std} need one value per channel: the images "
                 f"have {self.in_channels}."
             )
-        return Normalise(mean, std, self.device, self.dtype, self.memory_format)
+        # A scalar where the channels agree: faster than a broadcast (5% of an MLP's CPU epoch).
+        device, dtype = self.device, self.dtype
+        mean, std = (
+            v[0] if len(set(v)) == 1 else torch.tensor(v, device=device, dtype=dtype).view(-1, 1, 1)
+            for v in (mean, std)
+        )
+        return Normalise(mean, std, self.dtype, self.memory_format)
 
     def _as_dtype(self, inputs: Tensor) -> Tensor:
         """Inputs that are not images: float ones in the run's dtype and layout, others as read."""
@@ -329,8 +336,8 @@ class Data(DataKeys):
         index = torch.linspace(0, self.size(split) - 1, min(count, self.size(split))).long()
         if isinstance(held, tuple):
             return tuple(t.index_select(0, index.to(t.device)).to(self.device) for t in held)
-        inputs, targets = collate([held[i] for i in index.tolist()], self.empty_batch())
-        return inputs.to(self.device), targets.to(self.device)
+        samples = collate([held[i] for i in index.tolist()], self.empty_batch())
+        return tuple(t.to(self.device) for t in samples)
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, int]]:
         """This rank's (inputs, targets, global batch size); `skip`: batches a resume is past."""
@@ -378,41 +385,24 @@ def check_shares(batch_size: int, world_size: int) -> None:
         )
 
 
-def named(source: object) -> str:
-    """A dataset class's object as messages name it: by its `__str__` (where its files are), else
-    by its class and the class's file."""
-    if type(source).__str__ is not object.__str__:
-        return str(source)
-    return f"{type(source).__name__} ({where(type(source))})"
-
-
 def kind(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     """A sample's dtype and shape, for messages: `float32 20`, `int64 16`, `uint8 3×32×32`."""
     return f"{str(dtype).removeprefix('torch.')} {'×'.join(map(str, shape)) or 'scalar'}"
 
 
+@dataclass
 class Normalise:
     """uint8 images → float, scaled like torchvision's ToTensor() then Normalize(mean, std)."""
 
-    def __init__(
-        self,
-        mean: list[float],
-        std: list[float],
-        device: torch.device,
-        dtype: torch.dtype = torch.float32,
-        memory_format: torch.memory_format = torch.contiguous_format,
-    ):
-        self.mean, self.std, self.dtype, self.memory_format = mean, std, dtype, memory_format
-        # A scalar where the channels agree: faster than a broadcast (5% of an MLP's CPU epoch).
-        self._mean, self._std = (
-            v[0] if len(set(v)) == 1 else torch.tensor(v, device=device, dtype=dtype).view(-1, 1, 1)
-            for v in (mean, std)
-        )
+    mean: float | Tensor  # one value for every channel, or a tensor of one per channel
+    std: float | Tensor
+    dtype: torch.dtype
+    memory_format: torch.memory_format
 
     def __call__(self, images: Tensor) -> Tensor:
         # Converted straight into the layout the model takes (channels-last): one copy, not two.
         images = images.to(self.dtype, memory_format=self.memory_format)
-        return images.div_(255).sub_(self._mean).div_(self._std)
+        return images.div_(255).sub_(self.mean).div_(self.std)
 
 
 class Augment:
@@ -438,7 +428,7 @@ class Augment:
         return crops.permute(0, 3, 1, 2).contiguous()
 
 
-def cached(source, name: str, dataset: Dataset) -> Batch:
+def cached(source, name: str, dataset: Dataset, named: str) -> Batch:
     """A split decoded through a cache file beside the data, rebuilt when the files changed."""
     path, fingerprint = source.cache_path(name), source.fingerprint(dataset)
     if path.is_file():
@@ -451,7 +441,7 @@ def cached(source, name: str, dataset: Dataset) -> Batch:
             )
         except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt the same way
             log.warning("%s cannot be read (%s); decoding the %s images again", path, err, name)
-    images, labels = decode(dataset, name, named(source))
+    images, labels = decode(dataset, name, named)
     cache = {"fingerprint": fingerprint, "images": images, "labels": labels}
     try:
         storage.write_atomically(path, lambda file: torch.save(cache, file))

@@ -32,19 +32,12 @@ log = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
-# Quietened while workers run (each has its level): failures are told once below, signals by them.
-LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _legacy_launcher = False
 _self_launched = False  # a worker of `start_workers`, whose failure its parent reports
 
 
 class WorkerFailed(CompactHydraException):
     """A DDP worker failed; the message carries its own error (Hydra prints the message alone)."""
-
-
-def starts_workers_here(in_group: bool) -> bool:
-    """Whether this process starts the workers: a process group's mode (ddp, fsdp), no torchrun."""
-    return in_group and not any(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
 def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, nproc: int) -> Any:
@@ -63,13 +56,11 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone picks
         max_restarts=0,
-        start_method="spawn",
-    )
+    )  # each worker a fresh interpreter (torch's start_method="spawn")
     log.info("Starting %d processes", nproc)
-    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(LAUNCHER_LOGGERS)]
-    levels = {logger: logger.level for logger in map(logging.getLogger, names)}
-    for logger in levels:
-        logger.setLevel(logging.CRITICAL)
+    # This process's logging (the launcher's: torch.distributed.elastic, torch.multiprocessing)
+    # quietened while workers run (each has its own): failures are told once below, signals by them.
+    logging.disable(logging.CRITICAL)
     try:
         return elastic_launch(config, _worker)(
             importable_name(train),
@@ -89,8 +80,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
             message = f"rank {rank}: {message}. The other processes were stopped."
         raise WorkerFailed(message) from None
     finally:
-        for logger, level in levels.items():
-            logger.setLevel(level)
+        logging.disable(logging.NOTSET)
         shutil.rmtree(logs, ignore_errors=True)
 
 

@@ -35,17 +35,11 @@ class Process:
         """The one process that logs, writes files and talks to wandb."""
         return self.rank == 0
 
-    @property
-    def is_local_main(self) -> bool:
-        """The one process per machine that prepares machine-local things (the dataset files)."""
-        return self.local_rank == 0
-
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order; also a barrier."""
-        if not self.in_group:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        gathered: list[Any] = [obj] * self.world_size  # outside a group: this one's alone
+        if self.in_group:
+            dist.all_gather_object(gathered, obj)
         return gathered
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -58,10 +52,9 @@ class Process:
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank."""
-        if not self.in_group:
-            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        if self.in_group:
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:

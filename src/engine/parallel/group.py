@@ -116,6 +116,8 @@ class GroupStrategy(Strategy):
                 f"parallel.nproc_per_node={self.nproc_per_node} is not used: the launcher started "
                 f"{here} processes on this machine (torchrun --nproc_per_node sets their number)."
             )
-        shown = (mode.upper(), world, backend, rank, device, torch.get_num_threads())
-        log.info("%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads", *shown)
+        log.info(
+            "%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
+            *(mode.upper(), world, backend, rank, device, torch.get_num_threads()),
+        )
         return process
