@@ -180,8 +180,6 @@ class Data(DataKeys):
     def _read(self, name: str) -> Split:
         """A split as the loader holds it: decoded into tensors, or the Dataset itself."""
         dataset = self.source.split(name)
-        if self.loader == "tensor" and callable(tensors := getattr(dataset, "tensors", None)):
-            return tensors()
         if len(sample := dataset[0]) != 2:
             raise UserError(
                 f"Sample 0 of the {name} split of {self.name} has {len(sample)} parts: a "
@@ -342,7 +340,7 @@ class Data(DataKeys):
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, int]]:
         """This rank's (inputs, targets, global batch size); `skip`: batches a resume is past."""
         self.sampler.set_epoch(epoch, skip)
-        size = self.size("train")
+        size = self.sampler.num_samples  # the training split's
         for step, (inputs, targets) in enumerate(self._raw("train"), start=skip):
             global_size = min(self.batch_size, size - step * self.batch_size)
             if self.augmentation:

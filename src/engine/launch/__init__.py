@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
-_legacy_launcher = False
+legacy_launcher = False  # this worker was started by the deprecated torch.distributed.launch
 _self_launched = False  # a worker of `start_workers`, whose failure its parent reports
 
 
@@ -167,10 +167,10 @@ def hydra_argv(argv: list[str]) -> list[str]:
     (facebookresearch/fairseq#4164; can go with that launcher). Ranks other than 0 write no run
     folder, `.hydra/` or log and use rank 0's (`${now:...}` differs: facebookresearch/hydra#2070,
     ashleve/lightning-hydra-template#393); can go when Hydra resolves one folder per job."""
-    global _legacy_launcher
+    global legacy_launcher
     args = [arg for arg in argv if not LEGACY_LOCAL_RANK.fullmatch(arg)]
     if legacy := [arg for arg in argv if arg not in args]:
-        _legacy_launcher = True
+        legacy_launcher = True
         os.environ.setdefault("LOCAL_RANK", LEGACY_LOCAL_RANK.fullmatch(legacy[0]).group(1))
     if ("-m" in args or "--multirun" in args) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         refuse_command_line(
@@ -193,19 +193,28 @@ def restart_anchor() -> Path | None:
     return attempt.parent / "run_dir" if attempt.name.startswith("attempt_") else None
 
 
-def legacy_launcher_used() -> bool:
-    """Whether this worker was started by the deprecated `python -m torch.distributed.launch`."""
-    return _legacy_launcher
-
-
-def check_port_free(init_method: str) -> None:
-    """Refuse a taken rendezvous port (another run's, or torchrun's own) before
+def check_rendezvous(init_method: str, hosts: bool = False) -> None:
+    """Refuse an unknown tcp:// host, a missing file:// folder: init_process_group won't say it;
+    where this process `hosts` the store, a taken port (another run's, or torchrun's own) before
     init_process_group's traceback does."""
     url = urlsplit(init_method)
+    if url.scheme == "tcp":
+        try:
+            socket.getaddrinfo(url.hostname, url.port)
+        except socket.gaierror as err:
+            raise UserError(
+                f"parallel.init_method={init_method}: host {url.hostname} is not known "
+                f"({err.strerror}). Give the address of rank 0's machine."
+            ) from None
+    elif url.scheme == "file" and not (folder := Path(url.path).parent).is_dir():
+        raise UserError(
+            f"parallel.init_method={init_method}: folder {folder} does not exist. Give a file in a "
+            "folder every process sees (across machines, a shared file system)."
+        )
+    if not hosts or url.scheme == "file":  # a file's store has no port
+        return
     env = url.scheme == "env"
     port = int(os.environ["MASTER_PORT"]) if env else url.port
-    if port is None:
-        return
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -223,24 +232,6 @@ def check_port_free(init_method: str) -> None:
                 f"Port {port} of the rendezvous ({where}) is in use, probably by another run. "
                 f"Choose a free port{pick} (which picks one)."
             ) from None
-
-
-def check_rendezvous(init_method: str) -> None:
-    """Refuse an unknown tcp:// host, a missing file:// folder: init_process_group won't say it."""
-    url = urlsplit(init_method)
-    if url.scheme == "tcp":
-        try:
-            socket.getaddrinfo(url.hostname, url.port)
-        except socket.gaierror as err:
-            raise UserError(
-                f"parallel.init_method={init_method}: host {url.hostname} is not known "
-                f"({err.strerror}). Give the address of rank 0's machine."
-            ) from None
-    elif url.scheme == "file" and not (folder := Path(url.path).parent).is_dir():
-        raise UserError(
-            f"parallel.init_method={init_method}: folder {folder} does not exist. Give a file in a "
-            "folder every process sees (across machines, a shared file system)."
-        )
 
 
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store:

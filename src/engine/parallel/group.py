@@ -87,11 +87,9 @@ class GroupStrategy(Strategy):
                 "Use parallel.backend=gloo (or auto) on CPUs."
             )
         timeout, init_method = timedelta(seconds=self.timeout), self.init_method
-        launch.check_rendezvous(init_method)
         # Rank 0 hosts the rendezvous store, but for env:// under torchrun: that one is torchrun's.
         torchrun_store = init_method == "env://" and launch.under_torchrun()
-        if rank == 0 and not torchrun_store:
-            launch.check_port_free(init_method)
+        launch.check_rendezvous(init_method, hosts=rank == 0 and not torchrun_store)
         try:
             store = launch.attempt_store(rank, timeout) if torchrun_store else None
             where = {"init_method": init_method} if store is None else {"store": store}
@@ -105,7 +103,7 @@ class GroupStrategy(Strategy):
         process = Process(rank, local_rank, world, device, in_group=True)
         if not process.is_main:
             launch.quiet_logging(rank)
-        if launch.legacy_launcher_used() and process.is_main:
+        if launch.legacy_launcher and process.is_main:
             log.warning(
                 "torch.distributed.launch is deprecated; launch with torchrun instead: "
                 "torchrun --nproc_per_node=N train.py parallel=ddp"
