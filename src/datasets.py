@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from tempfile import TemporaryDirectory, TemporaryFile
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,12 +50,8 @@ class Torchvision:
     data.in_channels may only agree."""
 
     what, download_size = "files", None  # for the messages (a full disk names the size)
-    default_class, channels, size, name = (
-        "",
-        None,
-        None,
-        None,
-    )  # a fixed shape's; name: for messages
+    # A subclass of one image shape's: its default torchvision class, channels, size, and name.
+    default_class, channels, size, name = "", None, None, None
 
     def __init__(
         self,
@@ -79,12 +76,9 @@ class Torchvision:
         self.split_argument, self.image_size = split_argument, image_size
         self.in_channels, self.classes = self.channels or in_channels or 3, None
 
-    def _open(self, name: str, root: Path | None = None, download: bool = False, **keys) -> Dataset:
+    def _open(self, name: str, root: Path | None = None, **keys: Any) -> Dataset:
         asked = {"train": name == "train"} if self.split_argument == "train" else {"split": name}
-        folder = str(root or self.root)
-        return torchvision_dataset(self.torchvision_class)(
-            folder, download=download, **asked, **keys
-        )
+        return torchvision_dataset(self.torchvision_class)(str(root or self.root), **asked, **keys)
 
     def found(self) -> bool:
         try:
