@@ -47,16 +47,12 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logs = Path(tempfile.mkdtemp(prefix="train-workers-"))  # error files (torch's default stays)
-    config = LaunchConfig(
-        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"train-{uuid.uuid4()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone picks
-        max_restarts=0,
-    )  # each worker a fresh interpreter (torch's start_method="spawn")
+    # One machine, no restarts; rendezvous on a free port, as torchrun --standalone picks; each
+    # worker a fresh interpreter (torch's start_method="spawn").
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+                          run_id=f"train-{uuid.uuid4()}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0")  # fmt: skip
     log.info("Starting %d processes", nproc)
     # This process's logging (the launcher's: torch.distributed.elastic, torch.multiprocessing)
     # quietened while workers run (each has its own): failures are told once below, signals by them.
@@ -177,7 +173,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
         )
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
-    elif (anchor := restart_anchor()) and anchor.is_file():
+    elif under_torchrun() and (anchor := restart_anchor()) and anchor.is_file():
         # a torchrun restart: rank 0 takes up the first attempt's folder (resume=auto finds last.pt)
         args.append(f"hydra.run.dir='{anchor.read_text()}'")
     return args
@@ -248,7 +244,7 @@ def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
 def shared_run_dir(process: Any, run_dir: Path | None = None) -> Path:
     """Rank 0's run folder (the one Hydra made, unless given), which every rank uses."""
     run_dir = str(run_dir or HydraConfig.get().runtime.output_dir)
-    if process.is_main and (anchor := restart_anchor()):
+    if process.is_main and under_torchrun() and (anchor := restart_anchor()):
         anchor.write_text(run_dir)
     return Path(process.broadcast_object(run_dir))
 

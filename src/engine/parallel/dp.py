@@ -18,10 +18,7 @@ class DP(Strategy):
     name: ClassVar[str] = "dp"
     device_ids: list[int] | None = None  # GPUs to split each batch over; null = all visible GPUs
     output_device: int | None = None  # GPU that gathers the outputs: null = the first of device_ids
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.ids: list[int] = []  # the GPUs setup found; none: one device
+    ids: ClassVar[list[int]] = []  # the GPUs setup found (setup sets its own); none: one device
 
     def setup(self, device: str, trainer: Any) -> Process:
         """The GPUs to split over, the data on the first; one device where there is no GPU."""
@@ -48,9 +45,8 @@ class DP(Strategy):
             torch.cuda.default_generators[index].manual_seed(seed + i)
 
 
-def check_data_parallel(
-    ids: list[int], output: int, count: int, compile: bool | str, precision: str
-) -> None:
+def check_data_parallel(ids: list[int], output: int, count: int, compile: bool | str,
+                        precision: str) -> None:  # fmt: skip
     """Refuse what nn.DataParallel over `ids` (of `count` visible GPUs) gets wrong in this torch."""
     absent = [i for i in [*ids, output] if not 0 <= i < count]
     if absent or output != ids[0]:

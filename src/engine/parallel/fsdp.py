@@ -96,13 +96,8 @@ class FSDP(GroupStrategy):
         }
 
 
-def shard(
-    model: nn.Module,
-    units: list[str],
-    reshard_after_forward: bool,
-    dtype: torch.dtype | None,
-    device: torch.device,
-) -> nn.Module:
+def shard(model: nn.Module, units: list[str], reshard_after_forward: bool,
+          dtype: torch.dtype | None, device: torch.device) -> nn.Module:  # fmt: skip
     """Shard each module whose class `units` names as a unit, then the rest as the root one. `dtype`
     (bf16, float16) runs the forward and backward; weights, optimizer and reduction stay float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
