@@ -275,10 +275,9 @@ def read_idx(path: Path) -> torch.Tensor:
 def idx_files(folder: Path) -> dict[str, Path | None]:
     """The four IDX files by name, each `folder/name` or `folder/name.gz` (the uncompressed one
     first), None where `folder` holds neither."""
+    names = [name for pair in IDX_FILES.values() for name in pair]
     return {
-        name: next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
-        for names in IDX_FILES.values()
-        for name in names
+        n: next((p for p in (folder / n, folder / f"{n}.gz") if p.is_file()), None) for n in names
     }
 
 
