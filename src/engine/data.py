@@ -106,8 +106,12 @@ class Data(DataKeys):
             return str(self.source)
         return f"{type(self.source).__name__} ({where(type(self.source))})"
 
-    def setup(self, process: Process, dtype: torch.dtype = torch.float32,
-              memory_format: torch.memory_format = torch.contiguous_format) -> None:  # fmt: skip
+    def setup(
+        self,
+        process: Process,
+        dtype: torch.dtype = torch.float32,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> None:
         """Find (or download) the files and hold the splits, for a model of `dtype` and layout."""
         check_shares(self.batch_size, process.world_size)
         # One process per machine finds (or downloads) the files and decodes them while the others
@@ -125,8 +129,9 @@ class Data(DataKeys):
         self.dtype, self.memory_format = dtype, memory_format
         self._hold(*(splits or (self._read("train"), self._read("test"))))
         self._describe()
-        self.sampler = GlobalBatchSampler(self.size("train"), self.batch_size, self.rank,
-                                          self.world_size, self.seed)  # fmt: skip
+        self.sampler = GlobalBatchSampler(
+            self.size("train"), self.batch_size, self.rank, self.world_size, self.seed
+        )
         self.steps_per_epoch = len(self.sampler)
         self.normalise = self._normalisation() if self.is_image else self._as_dtype
         self.augmentation = None
@@ -271,8 +276,9 @@ class Data(DataKeys):
             if isinstance(self.train, tuple):  # the images' tensor, in chunks
                 batches = self.train[0].split(4096)
             else:
-                loader = DataLoader(self.train, 256, collate_fn=collate,
-                                    num_workers=self.num_workers)  # fmt: skip
+                loader = DataLoader(
+                    self.train, 256, collate_fn=collate, num_workers=self.num_workers
+                )
                 batches = (images for images, _ in read(loader))
             mean, std = mean_and_std(batches)
             log.info(

@@ -47,12 +47,16 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logs = Path(tempfile.mkdtemp(prefix="train-workers-"))  # error files (torch's default stays)
-    # One machine, no restarts; rendezvous on a free port, as torchrun --standalone picks; each
-    # worker a fresh interpreter (torch's start_method="spawn").
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
-                          logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
-                          run_id=f"train-{uuid.uuid4()}", rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0")  # fmt: skip
+    config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"train-{uuid.uuid4()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone picks
+        max_restarts=0,
+    )  # each worker a fresh interpreter (torch's start_method="spawn")
     log.info("Starting %d processes", nproc)
     # This process's logging (the launcher's: torch.distributed.elastic, torch.multiprocessing)
     # quietened while workers run (each has its own): failures are told once below, signals by them.

@@ -49,9 +49,11 @@ class DDP(GroupStrategy):
         return DistributedDataParallel(
             super().wrap(model, trainer),  # compiled inside DDP
             device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=self.find_unused_parameters, bucket_cap_mb=self.bucket_cap_mb,
-            gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
-        )  # fmt: skip
+            find_unused_parameters=self.find_unused_parameters,
+            bucket_cap_mb=self.bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+        )
 
     def evaluated(self, model: nn.Module) -> nn.Module:
         """The inner model: DDP's forward may broadcast buffers, a hang for uneven evaluations."""

@@ -45,8 +45,9 @@ class DP(Strategy):
             torch.cuda.default_generators[index].manual_seed(seed + i)
 
 
-def check_data_parallel(ids: list[int], output: int, count: int, compile: bool | str,
-                        precision: str) -> None:  # fmt: skip
+def check_data_parallel(
+    ids: list[int], output: int, count: int, compile: bool | str, precision: str
+) -> None:
     """Refuse what nn.DataParallel over `ids` (of `count` visible GPUs) gets wrong in this torch."""
     absent = [i for i in [*ids, output] if not 0 <= i < count]
     if absent or output != ids[0]:

@@ -96,8 +96,13 @@ class FSDP(GroupStrategy):
         }
 
 
-def shard(model: nn.Module, units: list[str], reshard_after_forward: bool,
-          dtype: torch.dtype | None, device: torch.device) -> nn.Module:  # fmt: skip
+def shard(
+    model: nn.Module,
+    units: list[str],
+    reshard_after_forward: bool,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> nn.Module:
     """Shard each module whose class `units` names as a unit, then the rest as the root one. `dtype`
     (bf16, float16) runs the forward and backward; weights, optimizer and reduction stay float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
