@@ -111,6 +111,8 @@ def importable_name(function: Callable[..., Any]) -> tuple[str, str]:
 def run_worker(train: Callable[..., Any], *args: Any) -> Any:
     """`train(*args)` in a DDP worker: a failure exits with 1, written to torchrun's error file (a
     user's mistake as its message, else its traceback) for the launcher to report once."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):  # none (a log_dir of os.devnull: empty)
+        return train(*args)
     try:
         return train(*args)
     except CompactHydraException as err:
