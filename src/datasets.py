@@ -76,9 +76,13 @@ class Torchvision:
         self.split_argument, self.image_size = split_argument, image_size
         self.in_channels, self.classes = self.channels or in_channels or 3, None
 
-    def _open(self, name: str, root: Path | None = None, **keys: Any) -> Dataset:
+    def _open(
+        self, name: str, root: Path | None = None, download: bool = False, **keys: Any
+    ) -> Dataset:
         asked = {"train": name == "train"} if self.split_argument == "train" else {"split": name}
-        return torchvision_dataset(self.torchvision_class)(str(root or self.root), **asked, **keys)
+        # download passed always: a class of a fork's may download by default, into root itself
+        dataset = torchvision_dataset(self.torchvision_class)
+        return dataset(str(root or self.root), download=download, **asked, **keys)
 
     def found(self) -> bool:
         try:

@@ -207,15 +207,17 @@ class Data(DataKeys):
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.split_seed))
         self.train_index = order[self.val_size :].sort().values[: self.subset]
         self.val_index = order[: self.val_size].sort().values[: self.eval_subset]
-        count = len(test[1]) if isinstance(test, tuple) else len(test)
-        test_index = torch.arange(count)[: self.eval_subset]  # the first N test samples
-        cuts = {"train": self.train_index, "val": self.val_index, "test": test_index}
-        for split, index in cuts.items():  # cut on the CPU, then held on the device once
-            held = test if split == "test" else train
-            if isinstance(held, tuple):
-                setattr(self, split, tuple(t.index_select(0, index).to(self.device) for t in held))
-            else:
-                setattr(self, split, Subset(held, index.tolist()))
+
+        def cut(index: Tensor, split: Split = train) -> Split:  # on the CPU: held once
+            if isinstance(split, tuple):
+                return tuple(t.index_select(0, index).to(self.device) for t in split)
+            return Subset(split, index.tolist())
+
+        self.train, self.val = cut(self.train_index), cut(self.val_index)
+        if self.eval_subset is not None:  # the first N test samples
+            count = len(test[1]) if isinstance(test, tuple) else len(test)
+            test = cut(torch.arange(min(self.eval_subset, count)), test)
+        self.test = tuple(t.to(self.device) for t in test) if isinstance(test, tuple) else test
 
     def _describe(self) -> None:
         """The samples' kind (image or not, shapes, dtypes) and classes, checked with the config."""

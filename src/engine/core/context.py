@@ -202,17 +202,18 @@ class Hooks(list[Hook]):
 
     def active(self, run: Run, parts: Parts, progress: Progress) -> ExitStack:
         stack = ExitStack()
-        for context in self.call("active", run, parts, progress):
-            stack.enter_context(context)
+        for hook in self.overriding("active"):  # each entered before the next is made
+            stack.enter_context(hook.active(run, parts, progress))
         return stack
 
-    def call(self, point: str, *args: Any) -> list[Any]:
-        """Each hook's `point` (active, epoch_started, after_step, epoch_ended), in order, and what
-        each returns: only the hooks that do something there (whose class overrides Hook's)."""
-        overriding = [
-            hook for hook in self if getattr(type(hook), point) is not getattr(Hook, point)
-        ]
-        return [getattr(hook, point)(*args) for hook in overriding]
+    def call(self, point: str, *args: Any) -> None:
+        """Each hook's `point` (epoch_started, after_step, epoch_ended), in order."""
+        for hook in self.overriding(point):
+            getattr(hook, point)(*args)
+
+    def overriding(self, point: str) -> list[Hook]:
+        """The hooks that do something at `point` (whose class overrides Hook's), in order."""
+        return [hook for hook in self if getattr(type(hook), point) is not getattr(Hook, point)]
 
     def check(
         self, run: Run, progress: Progress, loss: float = 0.0, weights: nn.Module | None = None

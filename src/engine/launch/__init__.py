@@ -60,6 +60,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
     log.info("Starting %d processes", nproc)
     # This process's logging (the launcher's: torch.distributed.elastic, torch.multiprocessing)
     # quietened while workers run (each has its own): failures are told once below, signals by them.
+    was = logging.root.manager.disable  # the level logging.disable had set, put back below
     logging.disable(logging.CRITICAL)
     try:
         return elastic_launch(config, _worker)(
@@ -80,7 +81,7 @@ def start_workers(train: Callable[[DictConfig, Path], Any], cfg: DictConfig, npr
             message = f"rank {rank}: {message}. The other processes were stopped."
         raise WorkerFailed(message) from None
     finally:
-        logging.disable(logging.NOTSET)
+        logging.disable(was)
         shutil.rmtree(logs, ignore_errors=True)
 
 

@@ -105,6 +105,7 @@ def check(cfg: DictConfig) -> None:
             "debug=equivalence ... without torchrun."
         )
     settings = build.read_settings(cfg)
+    direction.cache_clear()  # an earlier check's (a sweep's job before): another model's
     steps, tolerance = cfg.debug.steps, cfg.debug.tolerance
     precision, own = str(cfg.debug.get("precision", "64")), settings.trainer.precision
     if not (isinstance(steps, int) and steps >= 1):
@@ -415,8 +416,10 @@ def likely_causes(
     worst = max(differ, key=lambda name: rows[name].weight[0])
     where = rows[worst].weight[1]
     causes = {  # each cause, and whether it holds
-        **{f"{' and '.join(n for n in failed if failed[n] == f)} stopped at {f}": True
-           for f in failed.values()},
+        **{
+            f"{' and '.join(n for n in failed if failed[n] == f)} stopped at {f}": True
+            for f in failed.values()
+        },
         f"parameters that get no gradient: {', '.join(reference.no_grad[:5])}. DDP with "
         "parallel.find_unused_parameters=false fails on them: set it true (slower), or take "
         "them out of the model": (
@@ -429,9 +432,11 @@ def likely_causes(
         "GroupNorm or LayerNorm": norms and not synced,
         "buffers that differ between the DDP processes after a step: "
         f"{', '.join(others[:5])}": others,
-        **{f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
-           "some code changes weights outside the optimizer step, on some ranks only": True
-           for name, (step, parameter, rank) in drifted.items()},
+        **{
+            f"in {name}, rank {rank}'s {parameter} differed from rank 0's after step {step}: "
+            "some code changes weights outside the optimizer step, on some ranks only": True
+            for name, (step, parameter, rank) in drifted.items()
+        },
         "the same step twice gives other gradients: non-deterministic kernels; run with "
         "trainer.deterministic=true": unrepeatable,
         "the model draws random numbers in training (not in a dropout layer, which is off "
@@ -440,7 +445,7 @@ def likely_causes(
         ),
         zero_gradients(reference, where): True,
         course(differ, rows, tolerance, probed[1].trainer.precision == "64"): True,
-    }  # fmt: skip
+    }
     return [cause for cause, holds in causes.items() if cause and holds] or [
         f"none this check can see; the largest weight difference is in {where} ({worst})"
     ]
