@@ -14,6 +14,7 @@ from src.engine import guards
 from src.engine.data import Data
 from src.engine.errors import UserError
 from src.engine.parallel import Process
+from src.tasks import Classification
 
 pytestmark = pytest.mark.unit
 
@@ -346,7 +347,7 @@ def test_the_drift_guard_checks_the_first_batch_of_any_targets(kind, one_rank):
     """check_first_batch gathers a hash of the first batch's targets, whatever their shape and
     dtype; the hash tells another order, another dtype and another shape apart."""
     dataset, options = KINDS[kind]
-    guards.check_first_batch(ready(data_of(dataset, **options)), one_rank)
+    guards.check_first_batch(ready(data_of(dataset, **options)), one_rank, Classification())
     tokens = torch.arange(24).view(2, 12)
     assert guards.digest(tokens) == guards.digest(tokens.clone())
     for other in (tokens.flip(0), tokens.int(), tokens.view(12, 2), tokens.double()):

@@ -40,7 +40,7 @@ from src.engine.core.context import Parts, Run
 from src.engine.core.evaluate import evaluate, float64_sum
 from src.engine.core.loop import train_step
 from src.engine.errors import UserError
-from src.engine.guards import check_count, check_metrics
+from src.engine.guards import check_contract, check_first_batch
 from src.engine.parallel import Process
 from src.tasks import Classification, Regression
 
@@ -209,7 +209,7 @@ def start_of_run(cfg):
     data = instantiate(cfg.data)
     data.setup(Process())
     run = Run(Process(), settings, data)
-    check_count(run)
+    check_first_batch(data, run.process, run.task)
     return settings, data, build_model(cfg, run, None)
 
 
@@ -280,6 +280,9 @@ def test_metrics_outside_the_tasks_bounds_break_the_contract():
     class SignedError(Regression):
         def sums(self, outputs, inputs, targets):
             return {**super().sums(outputs, inputs, targets), "mae": outputs - targets}
+
+    def check_metrics(task, outputs, inputs, targets):  # with the loss the preflight computes
+        check_contract(task, outputs, inputs, targets, float(task.loss(outputs, inputs, targets)))
 
     inputs, targets = torch.zeros(2, 3), torch.tensor([0, 2])
     outputs = F.one_hot(targets, 3).float()  # both right

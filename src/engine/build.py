@@ -32,7 +32,7 @@ from src.engine.core.context import Best, Callback, Callbacks, Hooks, Parts, Pro
 from src.engine.core.task import CONTRACT, place
 from src.engine.data import kind
 from src.engine.errors import UserError, first_line, refuse, where
-from src.engine.guards import NonFinite, UnwrittenMetrics, check_count, preflight
+from src.engine.guards import NonFinite, UnwrittenMetrics, preflight
 from src.engine.logger import MetricsLogger, open_logger
 from src.engine.parallel import PROTOCOL, Process, Strategy, own_keys, unwrap
 from src.engine.tools.overfit import Overfit
@@ -210,8 +210,7 @@ def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Pa
         hooks.append(Overfit(below))  # debug=overfit's verdict
     run = Run(process, settings, data, hooks=Hooks(hooks), run_dir=run_dir)
     if settings.train:
-        guards.check_first_batch(data, process)
-        check_count(run)
+        guards.check_first_batch(data, process, run.task)
     return run
 
 

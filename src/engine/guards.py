@@ -102,15 +102,6 @@ def intact(run: Run) -> str:
     return f"{kept[0]} holds step {kept[1]}, before it" if kept else "no checkpoint before it"
 
 
-def check_count(run: Run) -> None:
-    """Before training: the task counts loss terms in the first global batch (every target masked
-    would make each step's mean 0 / 0; a later batch with none stops at the next check)."""
-    inputs, targets, _ = next(run.data.train_batches(1))
-    count = global_count([run.task.count(inputs, targets)], run.process)  # one process: 0 refused
-    if int(count) == 0:
-        raise nothing_counted("the first training batch")
-
-
 # What PyTorch says when a layer does not fit its input (mat1 and mat2 shapes cannot be multiplied,
 # expected input[2, 1, 28, 28] to have 3 channels, an embedding's index out of range, ...).
 MISFIT = re.compile(
@@ -173,9 +164,7 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
             f"The task's loss of a batch is {shape}, not a scalar: return the sum over the "
             "batch's terms (reduction='sum'); the engine divides it by the global count."
         )
-    if torch.is_tensor(outputs):
-        check_sums(task, outputs, inputs, targets, float(loss))
-    check_metrics(task, outputs, inputs, targets)
+    check_contract(task, outputs, inputs, targets, float(loss))
 
 
 def described(outputs: Any) -> str:
@@ -191,33 +180,33 @@ def described(outputs: Any) -> str:
     return "None" if outputs is None else f"a {type(outputs).__name__}"
 
 
-def check_sums(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor, loss: float) -> None:
-    """`count` and `loss` add up over samples, as the engine divides the summed loss by the global
-    count: two samples' are each one's added (the loss to float32's rounding; a mean is halved)."""
-    one = [(outputs[i : i + 1], inputs[i : i + 1], targets[i : i + 1]) for i in (0, 1)]
-    counts = [int(task.count(inputs, targets)), *(int(task.count(x, y)) for _, x, y in one)]
-    if counts[0] != counts[1] + counts[2]:
-        raise UserError(
-            f"The task's count(inputs, targets) is {counts[0]} for two training samples and "
-            f"{counts[1]} and {counts[2]} for each alone: it must add up, counting the terms the "
-            "loss sums over (samples, pixels, unmasked tokens), as the engine divides the summed "
-            "loss by the global count (the task contract, src/engine/core/task.py).",
-            every_rank=True,
-        )
-    alone = [float(task.loss(*parts)) for parts in one]
-    if abs(loss - sum(alone)) > 1e-3 * sum(map(abs, alone)):
-        raise UserError(
-            f"The task's loss(outputs, inputs, targets) is {loss:.6g} for two training samples "
-            f"and {alone[0]:.6g} and {alone[1]:.6g} for each alone: it must be the sum over the "
-            "batch's terms (reduction='sum'), not their mean, as the engine divides it by the "
-            "global count (the task contract, src/engine/core/task.py).",
-            every_rank=True,
-        )
-
-
-def check_metrics(task: Task, outputs: Tensor, inputs: Tensor, targets: Tensor) -> None:
-    """`sums` and `metrics` of two samples, as an evaluation calls them: one sentence for a metric
-    object on another device than the model's outputs, or a metric outside the task's `bounds`."""
+def check_contract(task: Task, outputs: Any, inputs: Tensor, targets: Tensor, loss: float) -> None:
+    """`count` and `loss` add up over samples (where the model's output is one tensor), as the
+    engine divides the summed loss by the global count: two samples' are each one's added (the
+    loss to float32's rounding; a mean is halved). Then `sums` and `metrics` of two samples, as an
+    evaluation calls them: one sentence for a metric object on another device than the model's
+    outputs, or a metric outside the task's `bounds`."""
+    if torch.is_tensor(outputs):
+        one = [(outputs[i : i + 1], inputs[i : i + 1], targets[i : i + 1]) for i in (0, 1)]
+        counts = [int(task.count(inputs, targets)), *(int(task.count(x, y)) for _, x, y in one)]
+        if counts[0] != counts[1] + counts[2]:
+            raise UserError(
+                f"The task's count(inputs, targets) is {counts[0]} for two training samples "
+                f"and {counts[1]} and {counts[2]} for each alone: it must add up, counting the "
+                "terms the loss sums over (samples, pixels, unmasked tokens), as the engine "
+                "divides the summed loss by the global count (the task contract, "
+                "src/engine/core/task.py).",
+                every_rank=True,
+            )
+        alone = [float(task.loss(*parts)) for parts in one]
+        if abs(loss - sum(alone)) > 1e-3 * sum(map(abs, alone)):
+            raise UserError(
+                f"The task's loss(outputs, inputs, targets) is {loss:.6g} for two training "
+                f"samples and {alone[0]:.6g} and {alone[1]:.6g} for each alone: it must be the "
+                "sum over the batch's terms (reduction='sum'), not their mean, as the engine "
+                "divides it by the global count (the task contract, src/engine/core/task.py).",
+                every_rank=True,
+            )
     try:
         batch = {"count": task.count(inputs, targets), **task.sums(outputs, inputs, targets)}
     except RuntimeError as err:
@@ -300,8 +289,14 @@ def check_start(model: nn.Module, process: Process) -> None:
             )
 
 
-def check_first_batch(data: Data, process: Process) -> None:
-    """Epoch 1's first batch: the ranks' shares are disjoint, make it up, read the same targets."""
+def check_first_batch(data: Data, process: Process, task: Task) -> None:
+    """Before training, epoch 1's first batch: the task counts loss terms in it (every target masked
+    would make each step's mean 0 / 0; a later batch with none stops at the next check); in a
+    process group, the ranks' shares are disjoint, make it up, read the same targets."""
+    inputs, targets, _ = next(data.train_batches(1))
+    count = global_count([task.count(inputs, targets)], process)  # one process: 0 refused
+    if int(count) == 0:
+        raise nothing_counted("the first training batch")
     if not process.in_group:
         return
     sampler = copy.copy(data.sampler)
