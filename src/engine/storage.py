@@ -61,11 +61,18 @@ class StorageFull(UserError):
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `path` by `write(file)` into this process's partial file beside it (machines may share
-    a folder), flushed, then renamed over it: a moved folder, held open, gets all of it or none."""
-    partial, folder = f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial", None
+    a folder), flushed, then renamed over it: a moved folder, held open, gets all of it or none.
+    The partial files of `path` that a writer killed mid-write left (its process gone from this
+    host) are removed first; another host's, or a living writer's, stay."""
+    host, folder = socket.gethostname(), None
+    partial = f".{path.name}.{host}.{os.getpid()}.partial"
+    stale = re.compile(rf"\.{re.escape(path.name)}\.{re.escape(host)}\.(\d+)\.partial")
     try:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        remove_stale_partials(folder, path.name)
+        for entry in os.listdir(folder):
+            if (match := stale.fullmatch(entry)) and not alive(int(match[1])):
+                with suppress(OSError):  # removed meanwhile by another run's save
+                    os.unlink(entry, dir_fd=folder)
         with open(partial, "wb", opener=lambda p, f: os.open(p, f, 0o666, dir_fd=folder)) as file:
             write(file)
             file.flush()
@@ -86,24 +93,12 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             os.close(folder)
 
 
-def remove_stale_partials(folder: int, name: str) -> None:
-    """Remove the partial files of `name` in `folder` (a descriptor) that a writer killed mid-write
-    left: its process gone from this host. Another host's, or a living writer's, stay."""
-    stale = re.compile(rf"\.{re.escape(name)}\.{re.escape(socket.gethostname())}\.(\d+)\.partial")
-    for entry in os.listdir(folder):
-        if (match := stale.fullmatch(entry)) and not alive(int(match[1])):
-            with suppress(OSError):  # removed meanwhile by another run's save
-                os.unlink(entry, dir_fd=folder)
-
-
 def alive(pid: int) -> bool:
     """Whether process `pid` runs on this host (another user's too)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
+    except OSError as err:  # a PermissionError: another user's
+        return not isinstance(err, ProcessLookupError)
     return True
 
 
@@ -195,22 +190,21 @@ def refuse_fresh_start(run_dir: Path, process: Process) -> None:
     """Refuse a training run that would start afresh (no last.pt to resume) in the folder of an
     earlier run, whose records it would replace with its own: its checkpoints, and the metrics of
     a run that ended (one stopped before its first checkpoint may start again)."""
-    refusal, records = None, []
+    best, found = run_dir / "checkpoints" / "best.pt", None
     if process.is_main:
         records = sorted(str(p.relative_to(run_dir)) for p in run_dir.glob("checkpoints/[!.]*"))
         with suppress(OSError), open(run_dir / "metrics.jsonl") as metrics:
             if any('"test/' in line for line in metrics):  # its test: it ended
                 records.append("metrics.jsonl")
-    if records:
-        best = run_dir / "checkpoints" / "best.pt"
+        found = records and (records, best.exists())
+    if found := process.broadcast_object(found):
+        records, has_best = found
         ways = f"run the same command with resume={best} to continue from its best epoch, or "
-        refusal = (
+        raise UserError(
             f"{run_dir} holds an earlier run's {' and '.join(records)} but no checkpoints/last.pt "
-            f"to resume from, which a new run would replace: {ways if best.exists() else ''}"
+            f"to resume from, which a new run would replace: {ways if has_best else ''}"
             "give this run a folder of its own (hydra.run.dir=...)."
         )
-    if refusal := process.broadcast_object(refusal):
-        raise UserError(refusal)
 
 
 @contextmanager
@@ -278,25 +272,6 @@ def trained_in(folder: Path) -> bool:
         return True
 
 
-def check_run_folder(folder: Path) -> None:
-    """The run folder can be made and written, else one sentence why (not Hydra's tracebacks)."""
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir():
-        raise UserError(
-            f"hydra.run.dir={folder} cannot be a folder: {existing} is a file. Choose another "
-            "hydra.run.dir."
-        )
-    if not os.access(existing, os.W_OK):
-        read_only = False
-        with suppress(OSError):  # os.access passes root on a read-only file system; statvfs says it
-            read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-        why = READ_ONLY[errno.EROFS if read_only else errno.EACCES]
-        raise UserError(
-            f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
-            "you can write to (hydra.run.dir=...), or make that one writable."
-        )
-
-
 class RunFolderCheck(Callback):
     """The run folder before Hydra writes in it (conf/config.yaml's hydra.callbacks): checked (Hydra
     turns a callback's exception into a warning and goes on, so a bad folder ends the process
@@ -310,44 +285,37 @@ class RunFolderCheck(Callback):
             return
         try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
             folder = Path(os.path.abspath(Path(str(OmegaConf.select(config, "hydra.run.dir")))))
-            check_run_folder(folder)
         except OmegaConfBaseException:
             return
-        except UserError as err:
-            raise SystemExit(str(err)) from None  # printed, exit status 1
+        # The run folder can be made and written, else one sentence why (not Hydra's tracebacks).
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir():
+            raise SystemExit(  # printed, exit status 1
+                f"hydra.run.dir={folder} cannot be a folder: {existing} is a file. Choose another "
+                "hydra.run.dir."
+            )
+        if not os.access(existing, os.W_OK):
+            read_only = False
+            # os.access passes root on a read-only file system; statvfs says it
+            with suppress(OSError):
+                read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+            why = READ_ONLY[errno.EROFS if read_only else errno.EACCES]
+            raise SystemExit(
+                f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
+                "you can write to (hydra.run.dir=...), or make that one writable."
+            )
         _begun.clear()  # an earlier run's of this process (tests run several in one)
         made = [p for p in (folder, *folder.parents) if not p.exists()]
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if refusal := take(folder):  # held() refuses it on every rank; nothing written here
-                os.environ[REFUSED] = refusal
-                hydra = config.hydra
-                with read_write(hydra), open_dict(hydra):
-                    hydra.output_subdir = None
-                    for name, handler in (hydra.job_logging.get("handlers") or {}).items():
-                        if "filename" in handler:  # its log, which that run appends to
-                            hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
-                return
+                return refused_here(config, refusal)
             log = folder / f"{config.hydra.job.name}.log"  # read once held: no run appends now
             size = log.stat().st_size if log.is_file() else None  # where a refused run cuts it
             _begun.update(folder=folder, made=made, log=(log, size))
             write_hydra_files(folder, config)
         except OSError as err:
-            _begun.clear()
-            if str(folder) in _locks:  # held here: its pending files are this run's
-                shutil.rmtree(folder / PENDING, ignore_errors=True)
-            let_go(folder)
-            for path in made:
-                with suppress(OSError):
-                    path.rmdir()
-            fault = Fault.of(err)
-            reason, fix = reason_and_fix(fault, folder)
-            file = os.path.relpath(fault.path, folder).removeprefix(f"{PENDING}/")  # its place
-            raise SystemExit(
-                f"{folder} cannot hold the run's files: {reason} ({fault.strerror}) writing "
-                f"{file}, and nothing of this run is left there. "
-                f"{fix}, or give the run a folder on another disk (hydra.run.dir=...)."
-            ) from None
+            raise SystemExit(unmade(folder, made, err)) from None
 
     def on_run_end(self, config, job_return, **kwargs) -> None:  # noqa: ANN001
         for folder in list(_locks):  # a self-launched run's, held while its workers ran
@@ -356,6 +324,37 @@ class RunFolderCheck(Callback):
         if job_return.status == JobStatus.COMPLETED:
             admit()
         settle()  # refused in this process, or in the workers it started
+
+
+def refused_here(config: DictConfig, refusal: str) -> None:
+    """A run refused the folder another holds: told by held() on every rank; Hydra writes nothing
+    there meanwhile (no .hydra/ files, no log, which that run appends to)."""
+    os.environ[REFUSED] = refusal
+    hydra = config.hydra
+    with read_write(hydra), open_dict(hydra):
+        hydra.output_subdir = None
+        for name, handler in (hydra.job_logging.get("handlers") or {}).items():
+            if "filename" in handler:  # its log, which that run appends to
+                hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
+
+
+def unmade(folder: Path, made: list[Path], err: OSError) -> str:
+    """Why `folder` cannot hold the run's files (`err`), once nothing of this run is left there."""
+    _begun.clear()
+    if str(folder) in _locks:  # held here: its pending files are this run's
+        shutil.rmtree(folder / PENDING, ignore_errors=True)
+    let_go(folder)
+    for path in made:
+        with suppress(OSError):
+            path.rmdir()
+    fault = Fault.of(err)
+    reason, fix = reason_and_fix(fault, folder)
+    file = os.path.relpath(fault.path, folder).removeprefix(f"{PENDING}/")  # its place
+    return (
+        f"{folder} cannot hold the run's files: {reason} ({fault.strerror}) writing {file}, and "
+        f"nothing of this run is left there. {fix}, or give the run a folder on another disk "
+        "(hydra.run.dir=...)."
+    )
 
 
 def write_hydra_files(folder: Path, config: DictConfig) -> None:
