@@ -161,11 +161,12 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
     storage.admit(run_dir)
     with open_logger(run_dir, process, resumed, tracker if cfg.logger._target_ else None) as logger:
-        checkpoint.take_best(resumed, run_dir, process)
+        if resumed:  # its best.pt, into this run's folder
+            checkpoint.take_best(resumed, run_dir, process)
         if process.is_main:
             log.info("Config:\n%s", text)
         write = functools.partial(storage.write_atomically, path, lambda f: f.write(text.encode()))
-        if unwritten := storage.on_main(process, write):
+        if unwritten := storage.agree(process, process.is_main and storage.attempt(write)):
             at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint, step
             raise storage.stopped(unwritten, run_dir, None, at)
         if run.checkpointer:  # its checkpoints name the wandb run that a resume continues

@@ -14,7 +14,7 @@ import uuid
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.utils._pytree import tree_map_only
 
 from src.engine import storage
 from src.engine.config import Checkpointing, Settings
@@ -39,6 +40,7 @@ WHOLE = {"full_state_dict": True, "cpu_offload": True}
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 # checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
 SHARDS, SHARDED = "shards", ("model", "optimizer")
+BEST = "best.pt"  # a resumed checkpoint's, as read: where the best.pt it records lies (no part's)
 # How torch.save's files begin: a zip archive, or the older format's magic number (pickled as
 # binary by protocol 2 and later, as text by protocols 0 and 1).
 ZIP = b"PK\x03\x04"
@@ -171,7 +173,7 @@ class RandomState:
     the strategy seeds what it draws on beyond), or a checkpoint's saved by as many ranks."""
 
     def __init__(self, process: Process, seed: int, strategy: Strategy):
-        self.process, self.continued = process, False
+        self.process = process
         seed_everything(seed + process.rank)
         strategy.seed_devices(seed)  # dp: each GPU's replica its own stream
 
@@ -189,20 +191,14 @@ class RandomState:
                 )
             return
         set_rng_state(states[self.process.rank])
-        self.continued = True
 
 
 def on_cpu(value: Any) -> Any:
     """`value` (nested dicts, lists, tuples) with its tensors on the CPU, so that the file loads
     where no GPU is (the model's and optimizer's are there already, `WHOLE`: a fork's part may
-    keep its own on a GPU); the tensors already there are not copied."""
-    if torch.is_tensor(value):
-        return value.cpu()
-    if isinstance(value, dict):
-        return type(value)((key, on_cpu(item)) for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(on_cpu(item) for item in value)
-    return value
+    keep its own on a GPU); the tensors already there are not copied. torch's own tree map, which
+    torch.distributed.checkpoint walks state dicts with."""
+    return tree_map_only(torch.Tensor, torch.Tensor.cpu, value)
 
 
 def seed_everything(seed: int) -> None:
@@ -359,7 +355,9 @@ class Checkpointer:
         self.kept = (path, step)
 
     def _on_main(self, write: Any, step: int, path: Path | None = None) -> None:
-        if fault := storage.on_main(self.process, write, path):
+        """`write` on the main process; every rank stops where the storage refused it."""
+        fault = self.process.is_main and storage.attempt(write, path)
+        if fault := storage.agree(self.process, fault):
             raise self.stopped(fault, step)
 
     def _save_shards(self, path: Path, step: int) -> Path:
@@ -387,34 +385,24 @@ class Checkpointer:
         """Stop before training where the best.pt that the resumed checkpoint (`path`, `state`)
         records its best epoch in cannot be used, which the test would load after training. Read
         here and again for the test, not kept in memory through training meanwhile."""
-        best = state["progress"].get("best")
-        if not best or best["epoch"] is None:  # no validation, or no best.pt beside (told)
+        if not (source := state.get(BEST)):  # no validation, or no best.pt beside (told)
             return
-        source, error = _best_pts(path, self.run_dir)[0], None
-        if self.process.is_main:
-            try:
-                _checked_best(source, unwrap(self.parts["model"].model), self.strategy)
-            except Unusable as err:
-                error = (
-                    f"{path} records its best epoch ({best['epoch']}) in {source}, which "
-                    f"{err.why}: delete or move {source} to resume from {path} (the best so far "
-                    "then starts afresh), or give resume= another checkpoint."
-                )
-        if error := storage.agree(self.process, error):
-            raise UserError(error, every_rank=True)
+        epoch = state["progress"]["best"]["epoch"]
+
+        def told(err: Unusable) -> str:
+            return (
+                f"{path} records its best epoch ({epoch}) in {source}, which {err.why}: delete or "
+                f"move {source} to resume from {path} (the best so far then starts afresh), or "
+                "give resume= another checkpoint."
+            )
+
+        self._best(source, self.parts["model"].model, told)
 
     def load_best(self, model: nn.Module) -> None:
         """Load the run folder's best.pt into `model`, and the fork's parts (a task's state, the
         callbacks': an average of the weights): rank 0 reads it (the run folder is rank 0's, which
         other machines may not see) and the other ranks receive it."""
-        path, process, error, state = self.best, self.process, None, {}
-        if process.is_main:
-            try:
-                state = _checked_best(path, unwrap(model), self.strategy)
-            except UserError as err:
-                error = str(err)
-        if error := storage.agree(process, error):
-            raise UserError(error, every_rank=True)
+        state, process = self._best(self.best, model, str), self.process
         if shards := process.broadcast_object(state.get(SHARDS)):  # each rank reads its own
             self.strategy.load_shards(model, Path(shards))
         else:
@@ -422,18 +410,25 @@ class Checkpointer:
         forks = {n: p for n, p in self.parts.items() if n in ("task", "callbacks")}
         load_parts(forks, process.broadcast_object({n: state.get(n) for n in forks}))
 
-
-def _checked_best(path: Path, model: nn.Module, strategy: Strategy) -> dict[str, Any]:
-    """The best.pt at `path`, read and checked against the plain `model` (its shards' names and
-    shapes, where it has shards): what the test loads."""
-    state = _checked(path, weights_only=True)
-    if SHARDS not in state:
-        state["model"] = checked_weights(model, path, state["model"])
-    elif not strategy.sharded:
-        raise Unusable(path, *IN_SHARDS)
-    else:
-        check_saved(model, path, strategy.saved_tensors(Path(state[SHARDS])))
-    return state
+    def _best(self, path: Path, model: nn.Module, told: Callable[[Unusable], str]) -> dict:
+        """The best.pt at `path`, read by rank 0 ({} on the others) and checked against the plain
+        `model` (its shards' names and shapes, where it has shards): what the test loads. Where it
+        cannot be used, every rank stops with `told(why)`."""
+        state, error, model = {}, None, unwrap(model)
+        if self.process.is_main:
+            try:
+                state = _checked(path, weights_only=True)
+                if SHARDS not in state:
+                    state["model"] = checked_weights(model, path, state["model"])
+                elif not self.strategy.sharded:
+                    raise Unusable(path, *IN_SHARDS)
+                else:
+                    check_saved(model, path, self.strategy.saved_tensors(Path(state[SHARDS])))
+            except Unusable as err:
+                error = told(err)
+        if error := storage.agree(self.process, error):
+            raise UserError(error, every_rank=True)
+        return state
 
 
 def starting_point(
@@ -454,35 +449,23 @@ def starting_point(
         log.info("init_from=%s is not used: the resumed weights replace it.", paths.init_from)
     state = load(path, process, settings.parallel)
     check_changes(state.get("config"), settings.config, path)
-    state["progress"]["best"] = _best_pt_beside(path, state["progress"], run_dir, process)
+    best = state["progress"].get("best")
+    if best and best["epoch"] is not None:  # its best.pt: beside it, else in this run's folder
+        beside, kept = path.parent / "best.pt", run_dir / "checkpoints" / "best.pt"
+        state[BEST] = beside if beside.is_file() else kept
+        if not process.broadcast_object(state[BEST].is_file()):
+            log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
+                        "so far starts afresh.", path, best["epoch"])  # fmt: skip
+            state["progress"]["best"], state[BEST] = None, None
     return (path, state), (path, state)
 
 
-def _best_pt_beside(path: Path, progress: dict, run_dir: Path, process: Process) -> dict | None:
-    """The record of its best epoch that the checkpoint at `path` holds, if that epoch's best.pt
-    lies beside `path` or in this run's folder (`take_best` copies it there); else None."""
-    best = progress.get("best")
-    if not best or best["epoch"] is None:
-        return best
-    if not (found := process.broadcast_object(_best_pts(path, run_dir)[0].is_file())):
-        log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
-                    "so far starts afresh.", path, best["epoch"])  # fmt: skip
-    return best if found else None
-
-
-def _best_pts(path: Path, run_dir: Path) -> tuple[Path, Path]:
-    """The best.pt beside the checkpoint at `path` (or this run's), and where this run keeps it."""
-    source, target = path.parent / "best.pt", run_dir / "checkpoints" / "best.pt"
-    return source if source.is_file() else target, target
-
-
-def take_best(resumed: tuple | None, run_dir: Path, process: Process) -> None:
+def take_best(resumed: tuple[Path, dict], run_dir: Path, process: Process) -> None:
     """The resumed checkpoint's best.pt copied into this run's folder, once the run has begun."""
-    if not resumed or not resumed[1]["progress"].get("best"):
+    if not (source := resumed[1].get(BEST)):
         return
-    (path, state), fault = resumed, None
-    source, target = _best_pts(path, run_dir)
-    if process.is_main and source.is_file() and source.resolve() != target.resolve():
+    (path, state), fault, target = resumed, None, run_dir / "checkpoints" / "best.pt"
+    if process.is_main and source.resolve() != target.resolve():
         try:
             _copy(source, target)
         except OSError as err:  # every rank stops with the main's message
@@ -585,25 +568,25 @@ def _read(path: Path, weights_only: bool = False) -> Any:
         # torch words it "Unsupported global: GLOBAL x.y was not an allowed global" (a class),
         # "unsupported GLOBAL posix.system whose module posix is blocked" (a function that runs);
         # else the instruction it refused, on the line after "WeightsUnpickler error:".
-        unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
-        refused = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
-        detail = refused.group(1).strip() if refused else first_line(err)
+        if unsafe := re.search(r"GLOBAL ([\w.]+)", str(err)):
+            raise Unusable(
+                path,
+                f"holds Python objects ({unsafe.group(1)}), not only tensors and plain values",
+                "; torch.load(weights_only=True) refuses to unpickle them, as that can run "
+                "arbitrary code. If you trust the file, load it yourself and save its model's "
+                "state_dict().",
+            ) from None
+        if refused := re.search(r"WeightsUnpickler error:\s*(.+)", str(err)):
+            raise Unusable(
+                path,
+                "holds a pickle that torch.load(weights_only=True) does not read "
+                f"({refused.group(1).strip()})",
+                ": if you trust the file, load it yourself and save its model's state_dict() "
+                "again with torch.save's default pickle_protocol.",
+            ) from None
+        detail = first_line(err)
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        unsafe, refused, detail = None, None, str(err).strip().split(". ")[0] or "it ends early"
-    if unsafe:
-        raise Unusable(
-            path,
-            f"holds Python objects ({unsafe.group(1)}), not only tensors and plain values",
-            "; torch.load(weights_only=True) refuses to unpickle them, as that can run arbitrary "
-            "code. If you trust the file, load it yourself and save its model's state_dict().",
-        )
-    if refused:
-        raise Unusable(
-            path,
-            f"holds a pickle that torch.load(weights_only=True) does not read ({detail})",
-            ": if you trust the file, load it yourself and save its model's state_dict() again "
-            "with torch.save's default pickle_protocol.",
-        )
+        detail = str(err).strip().split(". ")[0] or "it ends early"
     raise Unusable(
         path,
         f"is not a readable checkpoint: truncated or corrupt ({detail})",
@@ -712,15 +695,16 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
     for key in ("scheduler.interval", *FIXED):
         was, now = before.get(key), after.get(key)
         if key in before and was != now:
-            why = (
-                f"where its schedule stands is counted in {was}s"
-                if key == "scheduler.interval"
-                else "it decides which images train and validate, in what order, so it cannot "
-                "change in a resumed run"
-            )
             raise UserError(
-                f"{key}={now}, and {path} was trained with {key}={was}: {why}. Resume with "
-                f"{key}={was}, or start a new run from its weights: init_from={path}."
+                f"{key}={now}, and {path} was trained with {key}={was}: "
+                + (
+                    f"where its schedule stands is counted in {was}s"
+                    if key == "scheduler.interval"
+                    else "it decides which images train and validate, in what order, so it "
+                    "cannot change in a resumed run"
+                )
+                + f". Resume with {key}={was}, or start a new run from its weights: "
+                f"init_from={path}."
             )
     keys = sorted(before.keys() | after.keys())
     # A group that names another class (parallel=ddp → none): that line alone, not its keys'.

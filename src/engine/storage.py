@@ -118,13 +118,9 @@ def attempt(write: Callable[[], Any], path: Path | None = None) -> Fault | None:
     return None
 
 
-def on_main(process: Process, write: Callable[[], Any], path: Path | None = None) -> Fault | None:
-    """`write` on the main process; what the storage refused of it, on every rank (a barrier)."""
-    return agree(process, attempt(write, path) if process.is_main else None)
-
-
 def agree(process: Process, fault: Any) -> Any:
-    """The first rank's fault (or message), on every rank, so all stop together (a barrier)."""
+    """The first rank's fault (or message), on every rank, so all stop together (a barrier): a
+    write on the main process alone is `agree(process, process.is_main and attempt(write))`."""
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 
@@ -272,6 +268,25 @@ def trained_in(folder: Path) -> bool:
         return True
 
 
+def check_run_folder(folder: Path) -> None:
+    """The run folder can be made and written, else one sentence why (not Hydra's tracebacks)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(
+            f"hydra.run.dir={folder} cannot be a folder: {existing} is a file. Choose another "
+            "hydra.run.dir."
+        )
+    if not os.access(existing, os.W_OK):
+        read_only = False
+        with suppress(OSError):  # os.access passes root on a read-only file system; statvfs says it
+            read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        why = READ_ONLY[errno.EROFS if read_only else errno.EACCES]
+        raise UserError(
+            f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
+            "you can write to (hydra.run.dir=...), or make that one writable."
+        )
+
+
 class RunFolderCheck(Callback):
     """The run folder before Hydra writes in it (conf/config.yaml's hydra.callbacks): checked (Hydra
     turns a callback's exception into a warning and goes on, so a bad folder ends the process
@@ -285,25 +300,11 @@ class RunFolderCheck(Callback):
             return
         try:  # resolved as Hydra would; a folder that needs Hydra's own state is left to Hydra
             folder = Path(os.path.abspath(Path(str(OmegaConf.select(config, "hydra.run.dir")))))
+            check_run_folder(folder)
         except OmegaConfBaseException:
             return
-        # The run folder can be made and written, else one sentence why (not Hydra's tracebacks).
-        existing = next(p for p in (folder, *folder.parents) if p.exists())
-        if not existing.is_dir():
-            raise SystemExit(  # printed, exit status 1
-                f"hydra.run.dir={folder} cannot be a folder: {existing} is a file. Choose another "
-                "hydra.run.dir."
-            )
-        if not os.access(existing, os.W_OK):
-            read_only = False
-            # os.access passes root on a read-only file system; statvfs says it
-            with suppress(OSError):
-                read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-            why = READ_ONLY[errno.EROFS if read_only else errno.EACCES]
-            raise SystemExit(
-                f"hydra.run.dir={folder} cannot be written: {why} at {existing}. Choose a folder "
-                "you can write to (hydra.run.dir=...), or make that one writable."
-            )
+        except UserError as err:
+            raise SystemExit(str(err)) from None  # printed, exit status 1
         _begun.clear()  # an earlier run's of this process (tests run several in one)
         made = [p for p in (folder, *folder.parents) if not p.exists()]
         try:
