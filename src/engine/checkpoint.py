@@ -16,7 +16,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,6 @@ LEGACY = (
     torch.serialization.MAGIC_NUMBER.to_bytes(10, "little"),
     b"%d" % torch.serialization.MAGIC_NUMBER,
 )
-# What a checkpoint in shards is refused with, outside parallel=fsdp: why, then what to do.
-IN_SHARDS = ("holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp reads, "
-             "with any number of processes", ": add parallel=fsdp.")  # fmt: skip
 
 
 class Unusable(UserError):
@@ -129,9 +126,9 @@ class OptimizerState:
             if not state["state"]:  # a stateless optimizer (SGD without momentum): its settings
                 self.optimizer.load_state_dict(state)
                 return
-            model, had = unwrap(self.model), set(state["state"])
-            names = {id(p): name for name, p in model.named_parameters()}
-            state = _rekeyed(state, [names[id(p)] for g in groups for p in g["params"]])
+            model, params = unwrap(self.model), [p for g in groups for p in g["params"]]
+            names, had = {id(p): name for name, p in model.named_parameters()}, set(state["state"])
+            state = _rekeyed(state, [names[id(p)] for p in params])
             # Group keys this optimizer lacks (the saved schedule's initial_lr, built after this)
             # are left out: the settings are this config's anyway (settings_kept), the moments
             # continue.
@@ -147,9 +144,8 @@ class OptimizerState:
             dsd.set_optimizer_state_dict(model, self.optimizer, state, options=options)
             # That step gave every parameter a state: those the file has none of start afresh, as
             # a plain optimizer's load leaves them (Adam's first step of them is their step 1).
-            for number, parameter in enumerate(p for g in groups for p in g["params"]):
-                if number not in had:
-                    self.optimizer.state.pop(parameter, None)
+            for number in set(range(len(params))) - had:
+                self.optimizer.state.pop(params[number], None)
 
     @contextmanager
     def settings_kept(self) -> Iterator[None]:
@@ -261,37 +257,35 @@ def check_part(name: str, part: Any) -> None:
         ) from None
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """What is saved, and when: `last.pt` after every epoch, every `every_n_steps` steps and on an
     early stop; `best.pt` when an epoch validates best by `monitor`; nothing with `save=false`."""
 
-    def __init__(
-        self,
-        policy: Checkpointing,
-        run_dir: Path,
-        process: Process,
-        strategy: Strategy,
-        parts: dict[str, Any],
-        metadata: dict[str, Any],
-        resumed: tuple[Path, dict] | None = None,
-    ):
+    policy: Checkpointing
+    run_dir: Path
+    process: Process
+    strategy: Strategy
+    parts: dict[str, Any]
+    metadata: dict[str, Any]  # the config, the wandb run's id
+    resumed: InitVar[tuple[Path, dict] | None] = None
+    kept: tuple[Path, int] | None = field(default=None, init=False)  # the last written, its step
+
+    def __post_init__(self, resumed: tuple[Path, dict] | None) -> None:
         """The `parts`, given their state back from the `resumed` checkpoint (path, contents),
         which is kept until this one writes its own; a fork's part is checked first."""
-        self.policy, self.run_dir, self.process, self.strategy = policy, run_dir, process, strategy
-        self.parts, self.metadata = parts, metadata  # metadata: the config, the wandb run's id
-        folder = Path(run_dir or ".") / "checkpoints"
-        self.last, self.best = folder / "last.pt", folder / "best.pt"
+        folder = Path(self.run_dir or ".") / "checkpoints"
+        self.last, self.best, parts = folder / "last.pt", folder / "best.pt", self.parts
         for name in parts:  # a fork's part (its callbacks checked each as they were set up)
             if name not in (*PARTS, "scaler", "callbacks"):
                 check_part(name, parts[name])
-        self.kept: tuple[Path, int] | None = None  # the last checkpoint written, and its step
         if resumed:  # the model's weights were loaded as it was built
             path, state = resumed
             load_parts({k: v for k, v in parts.items() if k != "model"}, state)
             if shards := state.get(SHARDS):  # checkpoint.sharded=true: each rank its own
-                optimizer = parts["optimizer"]
+                model, optimizer = parts["model"].model, parts["optimizer"]
                 with optimizer.settings_kept():
-                    strategy.load_shards(parts["model"].model, Path(shards), optimizer.optimizer)
+                    self.strategy.load_shards(model, Path(shards), optimizer.optimizer)
             self.kept = (path, state["progress"]["step"])
 
     def save(self, step: int) -> None:
@@ -417,11 +411,9 @@ class Checkpointer:
         state, error, model = {}, None, unwrap(model)
         if self.process.is_main:
             try:
-                state = _checked(path, weights_only=True)
+                state = _checked(path, True, self.strategy)
                 if SHARDS not in state:
                     state["model"] = checked_weights(model, path, state["model"])
-                elif not self.strategy.sharded:
-                    raise Unusable(path, *IN_SHARDS)
                 else:
                     check_saved(model, path, self.strategy.saved_tensors(Path(state[SHARDS])))
             except Unusable as err:
@@ -488,18 +480,17 @@ def load(path: Path, process: Process, strategy: Strategy, weights_only: bool = 
     step counters stay on the CPU, costing no device sync). A bad file stops every rank."""
     error, state = None, None
     try:
-        state = _checked(path, weights_only)
+        state = _checked(path, weights_only, strategy)
     except UserError as err:
         error = str(err)
     if error := storage.agree(process, error):
         raise UserError(error)
-    if SHARDS in state and not strategy.sharded:
-        raise Unusable(path, *IN_SHARDS)
     return state
 
 
-def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
-    """The checkpoint at `path` (upgraded from an older layout), or a UserError."""
+def _checked(path: Path, weights_only: bool, strategy: Strategy) -> dict[str, Any]:
+    """The checkpoint at `path` (upgraded from an older layout) that `strategy` can load, or a
+    UserError."""
     state = _read(path, weights_only)
     if not isinstance(state, dict):  # no part of a checkpoint
         state = {}
@@ -522,6 +513,13 @@ def _checked(path: Path, weights_only: bool) -> dict[str, Any]:
             path,
             f"is not a checkpoint of this template: it has no {', '.join(missing)}",
             f". Give {_wanted(weights_only)}.",
+        )
+    if SHARDS in state and not strategy.sharded:  # a checkpoint in shards, outside fsdp
+        raise Unusable(
+            path,
+            "holds its weights in shards (checkpoint.sharded=true), which parallel=fsdp reads, "
+            "with any number of processes",
+            ": add parallel=fsdp.",
         )
     return state
 
