@@ -40,7 +40,7 @@ WHOLE = {"full_state_dict": True, "cpu_offload": True}
 PARTS = ("model", "optimizer", "scheduler", "progress", "rng")  # what a training checkpoint holds
 # checkpoint.sharded=true: the folder beside the file that holds these parts' shards instead.
 SHARDS, SHARDED = "shards", ("model", "optimizer")
-BEST = "best.pt"  # a resumed checkpoint's, as read: where the best.pt it records lies (no part's)
+BEST_PATH = "best_path"  # a resumed checkpoint's, as read: where its best.pt lies (no part's)
 # How torch.save's files begin: a zip archive, or the older format's magic number (pickled as
 # binary by protocol 2 and later, as text by protocols 0 and 1).
 ZIP = b"PK\x03\x04"
@@ -257,7 +257,7 @@ def check_part(name: str, part: Any) -> None:
         ) from None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # the parts and the process: no repr of theirs
 class Checkpointer:
     """What is saved, and when: `last.pt` after every epoch, every `every_n_steps` steps and on an
     early stop; `best.pt` when an epoch validates best by `monitor`; nothing with `save=false`."""
@@ -379,7 +379,7 @@ class Checkpointer:
         """Stop before training where the best.pt that the resumed checkpoint (`path`, `state`)
         records its best epoch in cannot be used, which the test would load after training. Read
         here and again for the test, not kept in memory through training meanwhile."""
-        if not (source := state.get(BEST)):  # no validation, or no best.pt beside (told)
+        if not (source := state.get(BEST_PATH)):  # no validation, or no best.pt beside (told)
             return
         epoch = state["progress"]["best"]["epoch"]
 
@@ -443,21 +443,21 @@ def starting_point(
     check_changes(state.get("config"), settings.config, path)
     best = state["progress"].get("best")
     if best and best["epoch"] is not None:  # its best.pt: beside it, else in this run's folder
-        beside, kept = path.parent / "best.pt", run_dir / "checkpoints" / "best.pt"
-        state[BEST] = beside if beside.is_file() else kept
-        if not process.broadcast_object(state[BEST].is_file()):
+        beside, ours = path.parent / "best.pt", run_dir / "checkpoints" / "best.pt"
+        state[BEST_PATH] = beside if beside.is_file() else ours
+        if not process.broadcast_object(state[BEST_PATH].is_file()):
             log.warning("%s records its best epoch (%d), but no best.pt lies beside it: the best "
                         "so far starts afresh.", path, best["epoch"])  # fmt: skip
-            state["progress"]["best"], state[BEST] = None, None
+            state["progress"]["best"], state[BEST_PATH] = None, None
     return (path, state), (path, state)
 
 
 def take_best(resumed: tuple[Path, dict], run_dir: Path, process: Process) -> None:
     """The resumed checkpoint's best.pt copied into this run's folder, once the run has begun."""
-    if not (source := resumed[1].get(BEST)):
+    if not (source := resumed[1].get(BEST_PATH)):
         return
     (path, state), fault, target = resumed, None, run_dir / "checkpoints" / "best.pt"
-    if process.is_main and source.resolve() != target.resolve():
+    if process.is_main and source.is_file() and source.resolve() != target.resolve():
         try:
             _copy(source, target)
         except OSError as err:  # every rank stops with the main's message
@@ -693,16 +693,15 @@ def check_changes(saved: dict[str, Any] | None, config: dict[str, Any], path: An
     for key in ("scheduler.interval", *FIXED):
         was, now = before.get(key), after.get(key)
         if key in before and was != now:
+            why = (
+                f"where its schedule stands is counted in {was}s"
+                if key == "scheduler.interval"
+                else "it decides which images train and validate, in what order, so it cannot "
+                "change in a resumed run"
+            )
             raise UserError(
-                f"{key}={now}, and {path} was trained with {key}={was}: "
-                + (
-                    f"where its schedule stands is counted in {was}s"
-                    if key == "scheduler.interval"
-                    else "it decides which images train and validate, in what order, so it "
-                    "cannot change in a resumed run"
-                )
-                + f". Resume with {key}={was}, or start a new run from its weights: "
-                f"init_from={path}."
+                f"{key}={now}, and {path} was trained with {key}={was}: {why}. Resume with "
+                f"{key}={was}, or start a new run from its weights: init_from={path}."
             )
     keys = sorted(before.keys() | after.keys())
     # A group that names another class (parallel=ddp → none): that line alone, not its keys'.

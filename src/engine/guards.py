@@ -71,9 +71,11 @@ class NonFinite(Hook):
         if sums[0]:
             first = min(s for s in run.process.all_gather_object(self.first_bad) if s is not None)
             what = f"the training loss was not finite at step {first}"
-        clip = run.trainer.gradient_clip_val is None and "trainer.gradient_clip_val=1.0"
-        tries = ["a lower optimizer.lr", clip or "a lower gradient_clip_val"]
-        tries += ["trainer.precision=32"] if run.trainer.precision != "32" else []
+        tries = ["a lower optimizer.lr", "a lower gradient_clip_val"]
+        if run.trainer.gradient_clip_val is None:
+            tries[1] = "trainer.gradient_clip_val=1.0"
+        if run.trainer.precision != "32":
+            tries.append("trainer.precision=32")
         raise NonFiniteLoss(
             f"Stopped: {what} (NaN or infinite), and nothing after it was saved ({intact(run)}). "
             f"Try {', '.join(tries[:-1])} or {tries[-1]}."
@@ -129,16 +131,16 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
         if not MISFIT.search(detail):  # a bug in the model: its traceback, the shapes beside it
             err.add_note(f"(a batch of {tuple(inputs.shape)} {inputs.dtype} inputs, model={name})")
             raise
+        remedy = (
+            "Make the tensors its forward creates in the input's dtype (dtype=x.dtype), or "
+            "train in trainer.precision=32"
+            if inputs.dtype == torch.float64 and "dtype" in detail
+            else "Give the model the data's shape and dtype (in_channels, image_size, "
+            "num_classes or input_shape: null takes the data's)"
+        )
         raise UserError(
             f"model={name} cannot take the data's samples: a batch of {tuple(inputs.shape)} "
-            f"{inputs.dtype} inputs stopped it with: {detail}. "
-            + (
-                "Make the tensors its forward creates in the input's dtype (dtype=x.dtype), or "
-                "train in trainer.precision=32."
-                if inputs.dtype == torch.float64 and "dtype" in detail
-                else "Give the model the data's shape and dtype (in_channels, image_size, "
-                "num_classes or input_shape: null takes the data's)."
-            )
+            f"{inputs.dtype} inputs stopped it with: {detail}. {remedy}."
         ) from None
     finally:
         model.train(training)
@@ -156,10 +158,9 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
             every_rank=True,
         ) from err
     if not (torch.is_tensor(loss) and loss.ndim == 0):
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         raise UserError(
-            "The task's loss of a batch is "
-            f"{tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__}, not a "
-            "scalar: return the sum over the "
+            f"The task's loss of a batch is {shape}, not a scalar: return the sum over the "
             "batch's terms (reduction='sum'); the engine divides it by the global count."
         )
     check_contract(task, outputs, inputs, targets, float(loss))

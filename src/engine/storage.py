@@ -97,8 +97,10 @@ def alive(pid: int) -> bool:
     """Whether process `pid` runs on this host (another user's too)."""
     try:
         os.kill(pid, 0)
-    except OSError as err:  # a PermissionError: another user's
-        return not isinstance(err, ProcessLookupError)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
     return True
 
 
@@ -310,13 +312,14 @@ class RunFolderCheck(Callback):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if refusal := take(folder):  # held() refuses it on every rank; nothing written here
-                return refused_here(config, refusal)
+                refused_here(config, refusal)
+                return
             log = folder / f"{config.hydra.job.name}.log"  # read once held: no run appends now
             size = log.stat().st_size if log.is_file() else None  # where a refused run cuts it
             _begun.update(folder=folder, made=made, log=(log, size))
             write_hydra_files(folder, config)
         except OSError as err:
-            raise SystemExit(unmade(folder, made, err)) from None
+            raise SystemExit(withdrawn(folder, made, err)) from None
 
     def on_run_end(self, config, job_return, **kwargs) -> None:  # noqa: ANN001
         for folder in list(_locks):  # a self-launched run's, held while its workers ran
@@ -339,8 +342,9 @@ def refused_here(config: DictConfig, refusal: str) -> None:
                 hydra.job_logging.handlers[name] = {"class": "logging.NullHandler"}
 
 
-def unmade(folder: Path, made: list[Path], err: OSError) -> str:
-    """Why `folder` cannot hold the run's files (`err`), once nothing of this run is left there."""
+def withdrawn(folder: Path, made: list[Path], err: OSError) -> str:
+    """Remove all of this run from `folder` (its hold, its pending files, the folders it `made`),
+    then say why `folder` cannot hold the run's files (`err`)."""
     _begun.clear()
     if str(folder) in _locks:  # held here: its pending files are this run's
         shutil.rmtree(folder / PENDING, ignore_errors=True)
