@@ -6,6 +6,7 @@ model, an optimizer, a dataset) are that class's own."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -25,6 +26,7 @@ from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from src.engine import parallel
 from src.engine.errors import Checked, UserError, above, between, least, not_allowed, one_of, refuse
@@ -339,8 +341,8 @@ def check_command_line(args: list[str]) -> str | None:
     name) of a type its key does not take (`trainer.epochs=abc`, a sweep's `trainer.epochs=1,abc`),
     to say before Hydra composes, whose own would be 5 lines; None where each value fits, and with
     HYDRA_FULL_ERROR=1 (Hydra then says its own). Each value is merged as Hydra merges it, into the
-    schema's section that types its key; a key the schema does not type (a class's own, an unknown
-    one) is left to its own check."""
+    schema (a `parallel.` key: into the chosen mode's, else into each mode's that types it); a key
+    the schema does not type (a class's own, an unknown one) is left to its own check."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return None
     parser = get_args_parser()
@@ -354,49 +356,32 @@ def check_command_line(args: list[str]) -> str | None:
     modes = {cls.name: cls for cls in parallel.strategies()}
     chosen = [modes[o.value()] for o in overrides if o.key_or_group == "parallel"
               and not o.is_sweep_override() and str(o.value()) in modes]  # fmt: skip
+    config = copy.deepcopy(SCHEMA)
     for override in overrides:
-        key = override.key_or_group
+        # None merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample.
+        skip = override.is_delete() or override.is_add() or override.package
+        if skip or override.is_interval_sweep():
+            continue
+        key, nodes = override.key_or_group, [config]
         if key.startswith("parallel."):  # the chosen mode's keys, else those of any mode
-            schemas, typed_key = chosen[-1:] or list(modes.values()), key.removeprefix("parallel.")
-        else:
-            schemas, typed_key = [Config], key
-        for shown, value in _values(override):
-            said = [s for c in schemas if (s := _refused(c, typed_key, value)) is not None]
-            if said and all(said):
-                return not_allowed(key, shown, said[0])
+            nodes = [OmegaConf.structured(cls) for cls in chosen[-1:] or modes.values()]
+        values = [(override.input_line.split("=", 1)[1], override.value())]
+        if override.is_sweep_override():  # each value, as written and as read
+            values = zip(override.sweep_string_iterator(), override.sweep_iterator(), strict=True)
+            values = [(str(v).lower() if isinstance(v, bool) else shown, v) for shown, v in values]
+        for shown, value in values:
+            fits, said = False, None
+            for node in nodes:
+                try:
+                    OmegaConf.update(node, key.removeprefix("parallel."), value, merge=True)
+                    fits = True
+                except ValidationError as err:
+                    said = said or _takes(err.object_type, err.key)
+                except OmegaConfBaseException:  # no key of its: not typed there
+                    pass
+            if said and not fits:
+                return not_allowed(key, shown, said)
     return None
-
-
-def _values(override: Any) -> list[tuple[str, Any]]:
-    """An override's values, as written and as read (each of a sweep's); none where Hydra merges
-    none into the schema's types (`~key`, `+key`, `key@package`, an `interval(...)` to sample)."""
-    if override.is_delete() or override.is_add() or override.package:
-        return []
-    if not override.is_sweep_override():
-        return [(override.input_line.split("=", 1)[1], override.value())]
-    if override.is_interval_sweep():
-        return []
-    values = zip(override.sweep_string_iterator(), override.sweep_iterator(), strict=True)
-    return [(str(v).lower() if isinstance(v, bool) else shown, v) for shown, v in values]
-
-
-def _refused(schema: type, key: str, value: Any) -> str | None:
-    """What `key` takes where `value` is no value of its type (as OmegaConf merges it into the
-    dataclass `schema`); "" where it is; None where `schema` does not type `key`."""
-    *path, name = key.split(".")
-    for part in path:  # down the sections: trainer, data, ...
-        section = get_type_hints(schema).get(part)  # annotations are strings here: evaluated
-        if not dataclasses.is_dataclass(section):
-            return None
-        schema = section
-    hint, found = get_type_hints(schema).get(name), {f.name: f for f in dataclasses.fields(schema)}
-    if name not in found or hint is Any or dataclasses.is_dataclass(hint):  # any value, a section
-        return None
-    try:
-        OmegaConf.update(OmegaConf.structured(schema), name, value, merge=True)
-        return ""
-    except ValidationError:
-        return _takes(hint, found[name].metadata)
 
 
 # What a key of each type takes, in words.
@@ -404,21 +389,28 @@ KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "
 LISTS = {int: "a list of whole numbers, [1,2]", float: "a list of numbers, [0.5,1.5]"}
 
 
-def _takes(hint: Any, declared: Any) -> str:
-    """What a field of type `hint` takes, in words: null first where it may be null, then its type
-    and the range it was `declared` with (`least`, `between`...), or its choices (`one_of`)."""
+def _takes(schema: type, name: str) -> str | None:
+    """What the field `name` of the dataclass `schema` takes, in words: null first where it may be
+    null, then its type and the range it was declared with (`least`, `between`...), or its choices
+    (`one_of`); None where it takes any value, or is a section (a group's choice)."""
+    hint = get_type_hints(schema).get(name)  # annotations are strings here: evaluated
+    if hint is Any or dataclasses.is_dataclass(hint):
+        return None
+    declared = next(f.metadata for f in dataclasses.fields(schema) if f.name == name)
     options = [a for a in get_args(hint) if a is not type(None)]
     nullable = get_origin(hint) in (Union, types.UnionType) and len(options) < len(get_args(hint))
     kind = options[0] if nullable and len(options) == 1 else hint
-    if "said" in declared and kind is str:  # choices, which say what they are
-        return declared["said"]
+    null, said = (
+        declared.get("null said", "null or " if nullable else ""),
+        declared.get("range", ""),
+    )
+    if said.startswith(("a ", "an ")) or said and kind is str:  # says its type; its choices
+        return null + said
     if get_origin(kind) is list:
         takes = LISTS.get(next(iter(get_args(kind)), Any), "a list, [a,b]")
     else:
         takes = KINDS.get(kind, f"a {getattr(kind, '__name__', kind)}")
-    said = declared.get("range", "")
-    said = said if said.startswith(("a ", "an ")) else f"{takes}, {said}" if said else takes
-    return declared.get("null said", "null or " if nullable else "") + said
+    return null + (f"{takes}, {said}" if said else takes)
 
 
 def run_name(task_name: str) -> str:

@@ -5,6 +5,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import field, fields
+from operator import ge, gt, le, lt
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -70,36 +71,24 @@ def not_allowed(key: str, value: Any, allowed: str) -> str:
 def least(low: float, default: Any, nullable: bool | str = False, said: str | None = None) -> Any:
     """A field of at least `low`."""
     said = said or (f"at least {low}" if low else "0 or more")
-    return _checked_field(default, lambda v: v >= low, said, nullable)
+    return checked(lambda v: v >= low, default, said, nullable)
 
 
 def above(low: float, default: Any, nullable: bool | str = False, said: str | None = None) -> Any:
     """A field of more than `low`."""
-    return _checked_field(default, lambda v: v > low, said or f"a number above {low}", nullable)
+    return checked(lambda v: v > low, default, said or f"a number above {low}", nullable)
 
 
-def between(
-    low: float,
-    high: float,
-    default: Any,
-    *,
-    low_open: bool = False,
-    high_open: bool = True,
-    nullable: bool | str = False,
-    said: str | None = None,
-) -> Any:
+def between(low: float, high: float, default: Any, *, low_open: bool = False,
+            high_open: bool = True, nullable: bool | str = False, said: str | None = None,
+            ) -> Any:  # fmt: skip
     """A field from `low` up to below `high`, as `range` counts ("0 up to below 1"); `low_open`
     leaves `low` out ("above 0"), `high_open=False` takes `high` in ("0 to 1")."""
-    said = said or (
-        (f"above {low}" if low_open else f"{low}")
-        + (" and " if low_open and high_open else " up to " if low_open or high_open else " to ")
-        + (f"below {high}" if high_open else f"{high}")
-    )
-
-    def allows(v: Any) -> bool:
-        return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-
-    return _checked_field(default, allows, said, nullable)
+    over, under = (gt if low_open else ge), (lt if high_open else le)
+    ends = (f"above {low}" if low_open else f"{low}", f"below {high}" if high_open else f"{high}")
+    joint = " and " if low_open and high_open else " up to " if low_open or high_open else " to "
+    said = said or joint.join(ends)
+    return checked(lambda v: over(v, low) and under(v, high), default, said, nullable)
 
 
 def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:
@@ -107,20 +96,19 @@ def one_of(*choices: Any, default: Any, said: str | None = None) -> Any:
     shown = ["null" if c is None else str(c).lower() if c in (True, False) else str(c)
              for c in choices]  # fmt: skip
     said = said or f"{', '.join(shown[:-1])} or {shown[-1]}"
-    return _checked_field(default, lambda v: v in choices, said, None in choices, null_said=True)
+    return checked(lambda v: v in choices, default, said, None in choices, null="")
 
 
-def _checked_field(
-    default: Any, allows: Any, said: str, nullable: bool | str, null_said: bool = False
+def checked(
+    allows: Any, default: Any, said: str, nullable: bool | str = False, null: str | None = None
 ) -> Any:
-    """The field, with its check and what it allows: `said`, null put first where `nullable`
-    (unless `said` already says null)."""
-    null = "null or " if nullable is True else f"null ({nullable}) or " if nullable else ""
-    null = "" if null_said else null
+    """A field whose values `allows` takes (a function), saying what they are: `said`, after
+    `null`, the words for null put first where `nullable` (by default "null or ")."""
+    if null is None:
+        null = "null or " if nullable is True else f"null ({nullable}) or " if nullable else ""
     return field(
-        default=default,
-        metadata={"allows": allows, "null": bool(nullable), "said": null + said, "range": said,
-                  "null said": null},
+        default=default, metadata={"allows": allows, "null": bool(nullable), "range": said,
+                                   "null said": null}
     )  # fmt: skip
 
 
@@ -131,9 +119,9 @@ class Checked:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if "allows" not in f.metadata or str(value).startswith("${"):  # an interpolation
+            value, said = getattr(self, f.name), f.metadata.get("range")
+            if said is None or str(value).startswith("${"):  # no range; an interpolation
                 continue
             if not (f.metadata["null"] if value is None else f.metadata["allows"](value)):
                 key = f"{self.section}.{f.name}" if self.section else f.name
-                refuse(key, value, f.metadata["said"])
+                refuse(key, value, f.metadata["null said"] + said)
