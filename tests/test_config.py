@@ -30,14 +30,7 @@ from hydra.errors import (
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.engine.build import (
-    build_scheduler,
-    check_optimizer,
-    check_schedule,
-    instantiated,
-    read_settings,
-    typed,
-)
+from src.engine.build import build_optimizer, instantiated, read_settings, typed
 from src.engine.config import check_command_line
 from src.engine.data import Data
 from src.engine.errors import Checked, UserError, above, between, least, one_of
@@ -139,9 +132,9 @@ def test_reference_architectures():
 def test_optimizers_and_schedulers_build_and_step(optimizer, scheduler):
     cfg = compose_config(f"optimizer={optimizer}", f"scheduler={scheduler}")
     params = [torch.nn.Parameter(torch.ones(3))]
-    opt = instantiate(cfg.optimizer, params)
-    assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
-    sched = build_scheduler(cfg, opt, total_steps=10)
+    assert instantiate(cfg.optimizer, params).param_groups[0]["lr"] == cfg.optimizer.lr
+    opt, schedule = build_optimizer(cfg, params, total_steps=10, steps_per_epoch=1)
+    sched = schedule.scheduler
     for _ in range(3):
         params[0].sum().backward()
         opt.step()
@@ -589,10 +582,10 @@ def test_a_class_the_config_names_refusing_its_keys_is_one_sentence(override, gr
 )  # fmt: skip
 def test_optimizer_values_torch_accepts_but_cannot_mean_are_refused(override, message):
     cfg = compose_config(*override.split())
-    optimizer = instantiated("optimizer", cfg.optimizer, STAND_IN, values=True)  # torch takes it
+    instantiated("optimizer", cfg.optimizer, STAND_IN, values=True)  # torch takes it
     with pytest.raises(UserError, match=message):
-        check_optimizer(optimizer.defaults)
-    check_optimizer(instantiated("optimizer", compose_config().optimizer, STAND_IN).defaults)
+        build_optimizer(cfg, STAND_IN, total_steps=1, steps_per_epoch=1)
+    build_optimizer(compose_config(), STAND_IN, total_steps=1, steps_per_epoch=1)
 
 
 @pytest.mark.unit
@@ -609,7 +602,7 @@ def test_an_error_of_the_class_itself_keeps_its_traceback():
 def test_each_shipped_schedule_steps_through_its_plan(scheduler):
     for interval in ("epoch", "step"):
         cfg = compose_config(f"scheduler={scheduler}", f"scheduler.interval={interval}")
-        check_schedule(cfg, total_steps=40, steps_per_epoch=4)
+        build_optimizer(cfg, STAND_IN, total_steps=40, steps_per_epoch=4)
 
 
 @pytest.mark.unit
@@ -629,7 +622,7 @@ def test_each_shipped_schedule_steps_through_its_plan(scheduler):
 )  # fmt: skip
 def test_a_schedule_that_fails_partway_is_refused_before_training(overrides, message):
     with pytest.raises(UserError, match=message):
-        check_schedule(compose_config(*overrides), total_steps=40, steps_per_epoch=4)
+        build_optimizer(compose_config(*overrides), STAND_IN, total_steps=40, steps_per_epoch=4)
 
 
 def test_a_schedule_that_fails_partway_stops_the_run_before_it_trains(tmp_path, tiny_data):

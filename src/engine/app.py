@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from src.engine import checkpoint, launch, storage
 from src.engine.build import build_model, build_parts, build_run, logged, read_settings
-from src.engine.config import Settings, check_command_line, checkpoint_mode_of
+from src.engine.config import Settings, check_command_line, direction
 from src.engine.core.context import Best
 from src.engine.core.evaluate import evaluate_weights, test
 from src.engine.core.loop import fit
@@ -180,8 +180,8 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode.name != "MULTIRUN":
             return
-        try:  # the job's checkpoint.mode as training resolved it (a mode it refused: max)
-            mode = checkpoint_mode_of(config) or "max"
+        try:  # the job's checkpoint.mode as training resolved it (none, or one it refused: max)
+            mode = direction(_root_=config)
         except UserError:
             mode = "max"
         # The same choice as training's best.pt, made again from the validations it logged.

@@ -60,8 +60,6 @@ def read_settings(cfg: DictConfig) -> Settings:
                 f"data.{key} has no value: add data.{key}=... to the command (data=image_folder "
                 "needs data.root=PATH, the folder that holds train/ and test/)."
             )
-    for section, cls in (("trainer", Trainer), ("checkpoint", Checkpointing)):
-        known_keys(cls, cfg[section], section)  # Hydra lets a `+` key in: no field of the class
     if OmegaConf.get_type(cfg) is not Config:  # handed on as plain values: a started process's
         cfg = OmegaConf.merge(SCHEMA, cfg)
     values = copy.deepcopy(cfg)  # resolved once, here: Hydra's own config is left as composed
@@ -77,16 +75,25 @@ def read_settings(cfg: DictConfig) -> Settings:
     if not isinstance(resolved["data"].get("root", ""), str):  # a dataset's folder of files
         refuse("data.root", resolved["data"]["root"], "the path of the data's folder")
     Start(**{f.name: resolved[f.name] for f in dataclasses.fields(Start)})  # seed before data.seed
+    # Hydra lets a `+` key in, which no field of the class takes: refused, as a strategy's is.
+    trainer = typed(Trainer, resolved["trainer"], "trainer")
+    checkpointing = typed(Checkpointing, resolved["checkpoint"], "checkpoint")
     # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
     sections = OmegaConf.to_container(values, structured_config_mode=SCMode.INSTANTIATE)
     logger = resolved["logger"] or {}
     if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
     if logger.get("log_checkpoints"):
-        check_logged_checkpoints(logger, sections.checkpoint, sections.train)
-    task, strategy = build_task(cfg), build_strategy(cfg.parallel)
-    return Settings(sections.trainer, sections.checkpoint, task, strategy, sections,
-                    sections.data.val_size > 0, resolved)  # fmt: skip
+        check_logged_checkpoints(logger, checkpointing, sections.train)
+    task = instantiated("task", cfg.task)
+    if missing := [name for name in CONTRACT if not callable(getattr(task, name, None))]:
+        raise UserError(
+            f"task={cfg.task.get('_target_')} has no {', '.join(missing)}: a task needs count, "
+            "loss, sums and metrics (see src/tasks.py)."
+        )
+    strategy, validates = build_strategy(cfg.parallel), sections.data.val_size > 0
+    return Settings(trainer, checkpointing, task, strategy, sections, validates, resolved,
+                    sections.train, sections.device)  # fmt: skip
 
 
 def unfilled(full_key: str, key: str, has: str) -> UserError:
@@ -112,17 +119,6 @@ def check_logged_checkpoints(logger: dict[str, Any], saved: Checkpointing, train
         f"logger.log_checkpoints=true logs the run's best.pt and last.pt, {why} "
         "logger.log_checkpoints=false."
     )
-
-
-def build_task(cfg: DictConfig) -> Any:
-    """The task `cfg.task` names, checked to have the contract's methods."""
-    task = instantiated("task", cfg.task)
-    if missing := [name for name in CONTRACT if not callable(getattr(task, name, None))]:
-        raise UserError(
-            f"task={cfg.task.get('_target_')} has no {', '.join(missing)}: a task needs count, "
-            "loss, sums and metrics (see src/tasks.py)."
-        )
-    return task
 
 
 def build_strategy(node: Any) -> Strategy:
@@ -274,15 +270,12 @@ def build_parts(
     trainer, process, data, strategy = run.trainer, run.process, run.data, run.strategy
     decay = cfg.optimizer.get("weight_decay") or 0.0  # what a model's own groups are given
     groups = param_groups(unwrap(model), trainer.weight_decay_on, decay)
-    optimizer = instantiated("optimizer", cfg.optimizer, groups, values=True)
-    check_optimizer(optimizer.defaults)
+    steps = data.steps_per_epoch * trainer.epochs
+    optimizer, schedule = build_optimizer(
+        cfg, groups, min(steps, trainer.max_steps or steps), data.steps_per_epoch
+    )
     # float16 gradients underflow without loss scaling; for other precisions it is off.
     scaler = strategy.scaler(process.device, enabled=trainer.precision == "16")
-    steps = data.steps_per_epoch * trainer.epochs
-    steps = min(steps, trainer.max_steps or steps)
-    check_schedule(cfg, steps, data.steps_per_epoch)  # its whole plan, before training
-    scheduler = build_scheduler(cfg, optimizer, steps)
-    schedule = Schedule(scheduler, every_step=cfg.scheduler.interval == "step")
     policy = run.settings.checkpoint
     best = Best(policy.monitor, policy.mode) if run.settings.validates else None
     progress = Progress(best=best, batch_size=data.batch_size, train_size=data.size("train"))
@@ -307,13 +300,30 @@ def build_parts(
     return Parts(model, optimizer, schedule, scaler), progress, saver
 
 
-def check_schedule(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> None:
-    """Step `cfg.scheduler` through its whole plan on a stand-in parameter (3 µs a step): an error
-    partway (scheduler.step_size=0) stops the run in one sentence before training, not later."""
-    every_step = cfg.scheduler.interval == "step"
+def build_optimizer(
+    cfg: DictConfig, groups: list[Any], total_steps: int, steps_per_epoch: int
+) -> tuple[torch.optim.Optimizer, Schedule]:
+    """`cfg.optimizer` over `groups` (its parameters), and `cfg.scheduler` over it (`interval` is
+    the loop's, `total_steps: null` the run's). Refused: what torch's optimizers accept but cannot
+    mean, a value that is not finite (NaN compares false with every bound they check), a momentum
+    of 1 or more (steps without bound); a schedule that fails partway (scheduler.step_size=0),
+    stepped first through its whole plan on a stand-in parameter (3 µs a step), in one sentence
+    before training, not later."""
+    optimizer = instantiated("optimizer", cfg.optimizer, groups, values=True)
+    for key, value in optimizer.defaults.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            refuse(f"optimizer.{key}", value, "a finite number")
+    if not 0 <= optimizer.defaults.get("momentum", 0) < 1:
+        refuse(
+            "optimizer.momentum", optimizer.defaults["momentum"], "0 up to below 1 (0.9 is usual)"
+        )
+    spec = OmegaConf.to_container(cfg.scheduler, resolve=True)
+    every_step = spec.pop("interval", None) == "step"
+    if "total_steps" in spec and spec["total_steps"] is None:
+        spec["total_steps"] = total_steps
     stand_in = [torch.zeros(1, requires_grad=True)]
-    optimizer = instantiated("optimizer", cfg.optimizer, stand_in, values=True)
-    planned = build_scheduler(cfg, optimizer, total_steps)
+    stand_in = instantiated("optimizer", cfg.optimizer, stand_in, values=True)
+    planned = instantiated("scheduler", spec, stand_in, values=True)
     plan = total_steps if every_step else -(-total_steps // steps_per_epoch)  # its epochs
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
         warnings.simplefilter("ignore", UserWarning)
@@ -328,15 +338,8 @@ def check_schedule(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> N
                     "train.py --cfg job shows them).",
                     every_rank=True,
                 ) from None
-
-
-def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int) -> Any:
-    """`cfg.scheduler` over `optimizer`; `interval` is the loop's, `total_steps: null` the run's."""
-    spec = OmegaConf.to_container(cfg.scheduler, resolve=True)
-    spec.pop("interval", None)
-    if "total_steps" in spec and spec["total_steps"] is None:
-        spec["total_steps"] = total_steps
-    return instantiated("scheduler", spec, optimizer, values=True)
+    scheduler = instantiated("scheduler", spec, optimizer, values=True)
+    return optimizer, Schedule(scheduler, every_step=every_step)
 
 
 def configure_kernels(trainer: Trainer) -> None:
@@ -383,38 +386,15 @@ def instantiated(group: str, node: Any, *args: Any, values: bool = False, **kwar
         ) from None
 
 
-def check_optimizer(defaults: dict[str, Any]) -> None:
-    """What torch's optimizers accept but cannot mean: a value that is not finite (NaN
-    compares false with every bound they check), a momentum of 1 or more (steps without bound)."""
-    for key, value in defaults.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            refuse(f"optimizer.{key}", value, "a finite number")
-    if not 0 <= defaults.get("momentum", 0) < 1:
-        refuse("optimizer.momentum", defaults["momentum"], "0 up to below 1 (0.9 is usual)")
-
-
 # A dataclass as OmegaConf checks values against it, made once per class (a merge copies it).
 schema = functools.cache(OmegaConf.structured)
 
 
 def typed(cls: type, values: dict[str, Any], section: str) -> Any:
-    """The dataclass `cls` (a strategy, which its `_target_` names) from `values`, types checked by
-    OmegaConf, ranges by `cls.__post_init__`; a wrong type, unknown key or untyped field is one
-    sentence."""
-    known_keys(cls, values, section)
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
-    except ValidationError as err:
-        raise UserError(
-            f"{section}.{err.full_key}={values.get(err.full_key, err.value)} is not allowed: "
-            f"{first_line(err)} (the type of {cls.__name__}.{err.full_key}).",
-            every_rank=True,
-        ) from None
-
-
-def known_keys(cls: type, keys: Any, section: str) -> None:
-    """Refuse a key of `keys` that is no field of the dataclass `cls`, and a value of `cls` written
-    without a type (no field, so no key), in one sentence naming the class and its file."""
+    """The dataclass `cls` (a section, or a strategy, which its `_target_` names) from `values`,
+    types checked by OmegaConf, ranges by `cls.__post_init__`; a wrong type, a key that is no field
+    of `cls` and a value of `cls` written without a type (no field, so no key) are one sentence
+    naming the class and its file."""
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
             shared = any("ClassVar" in str(vars(k).get("__annotations__", {}).get(name))
@@ -429,15 +409,23 @@ def known_keys(cls: type, keys: Any, section: str) -> None:
                     every_rank=True,
                 )
     fields = [f.name for f in dataclasses.fields(cls)]
-    if (key := next((key for key in keys if key not in fields), None)) is None:
-        return
-    close = difflib.get_close_matches(str(key), fields, n=1)
-    raise UserError(
-        f"{section}.{key} is not a key of {section}: {cls.__name__} ({where(cls)}) has no field "
-        f"of that name. {f'Did you mean {section}.{close[0]}?' if close else 'Check its spelling'}"
-        " (python train.py --cfg job shows the keys).",
-        every_rank=True,
-    )
+    if (key := next((key for key in values if key not in fields), None)) is not None:
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        raise UserError(
+            f"{section}.{key} is not a key of {section}: {cls.__name__} ({where(cls)}) has no "
+            f"field of that name. "
+            f"{f'Did you mean {section}.{close[0]}?' if close else 'Check its spelling'}"
+            " (python train.py --cfg job shows the keys).",
+            every_rank=True,
+        )
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema(cls), values))
+    except ValidationError as err:
+        raise UserError(
+            f"{section}.{err.full_key}={values.get(err.full_key, err.value)} is not allowed: "
+            f"{first_line(err)} (the type of {cls.__name__}.{err.full_key}).",
+            every_rank=True,
+        ) from None
 
 
 def param_groups(model: nn.Module, weight_decay_on: str, decay: float) -> list[dict[str, Any]]:

@@ -29,11 +29,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, ValidationError
 from omegaconf.errors import OmegaConfBaseException
 
 from src.engine import parallel
-from src.engine.errors import Checked, UserError, above, between, least, not_allowed, one_of, refuse
+from src.engine.errors import Checked, UserError, above, checked, least, not_allowed, one_of, refuse
 from src.engine.parallel.none import Single
 
 MAX_SEED = 2**32 - 2**16  # NumPy takes seeds below 2**32; room for a rank's number added to it
-SEEDS = f"a whole number from 0 to {MAX_SEED}"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -87,17 +86,14 @@ class Checkpointing(Checked):
     section = "checkpoint"
     save: bool = True  # write checkpoints/last.pt after every epoch, and best.pt by the monitor
     every_n_steps: int | None = least(1, None, nullable=True)  # or also last.pt every N steps
-    monitor: str = "val/acc"  # the val/ metric that picks best.pt, early stopping, a sweep's best
+    # The val/ metric that picks best.pt, early stopping, a sweep's best.
+    monitor: str = checked(lambda v: v.startswith("val/"), "val/acc",
+                           "a metric of the validation split: val/...")  # fmt: skip
     # max or min: whether a higher or lower monitor is better; null: as the task says (loss: min).
     mode: str | None = one_of("max", "min", None, default=None,
                               said="max, min or null (as the monitor says)")  # fmt: skip
     # parallel=fsdp: each rank writes its shards into a folder .pt names (models too large for one).
     sharded: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.monitor.startswith("val/"):
-            refuse("checkpoint.monitor", self.monitor, "a metric of the validation split: val/...")
 
 
 @dataclass
@@ -132,7 +128,9 @@ class DataKeys(Checked):
     subset: int | None = least(1, None, nullable=True)  # or train on the first N images only
     # or evaluate the first N images of the validation and test splits only (debug=fast)
     eval_subset: int | None = least(1, None, nullable=True)
-    val_size: Any = 5000  # images held out of train for validation, or a share (0.1); 0 = none
+    # Images held out of train for validation, or a share (0.1); 0 = none.
+    val_size: Any = checked(lambda v: type(v) is int and v >= 0 or type(v) is float and 0 < v < 1,
+                            5000, "0 (none) or more images, or a share (0.1)")  # fmt: skip
     # Which images are held out (not `seed`: every job and parallel mode validates on the same).
     split_seed: int = least(0, 0)
     seed: int = least(0, "${seed}")  # the sample order: DistributedSampler's, from seed + epoch
@@ -160,9 +158,6 @@ class DataKeys(Checked):
             if key == "std" and value is not None and any(v <= 0 for v in values):
                 refuse("data.std", value, "the pixels' standard deviation, above 0 (null "
                        "computes it)")  # fmt: skip
-        share = isinstance(self.val_size, float) and 0 < self.val_size < 1
-        if not (share or type(self.val_size) is int and self.val_size >= 0):
-            refuse("data.val_size", self.val_size, "0 (none) or more images, or a share (0.1)")
 
 
 @dataclass
@@ -179,21 +174,19 @@ class Start(Checked):
     """The run's own keys: what it trains from, where, and whether it trains at all."""
 
     # Seeds the weights, the sample order and dropout (whose stream is seed + rank on each rank).
-    seed: int = between(0, MAX_SEED, 1, high_open=False, said=SEEDS)
+    seed: int = checked(lambda v: 0 <= v <= MAX_SEED, 1, f"a whole number from 0 to {MAX_SEED}")
     device: str = "auto"  # auto = cuda, then mps, then cpu; or name one: cpu, cuda, cuda:1, mps
     train: bool = True  # false: only evaluate ckpt_path's weights, on the val and test splits
     # auto = continue from the run folder's checkpoints/last.pt if any; a checkpoint; null = fresh.
-    resume: Any = "auto"
+    resume: Any = checked(lambda v: isinstance(v, str), "auto", "auto (the run folder's last.pt), "
+                          "null (never) or a checkpoint's path", True, null="")  # fmt: skip
     # A checkpoint or state_dict to start the weights from (fine-tuning); the rest starts fresh.
-    init_from: Any = None
-    ckpt_path: Any = None  # with train=false: the checkpoint (or state_dict) to evaluate
+    init_from: Any = checked(lambda v: isinstance(v, str), None, "a checkpoint's path", True)
+    # With train=false: the checkpoint (or state_dict) to evaluate.
+    ckpt_path: Any = checked(lambda v: isinstance(v, str), None, "a checkpoint's path", True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        paths = {"resume": "auto (the run folder's last.pt), null (never) or a checkpoint's path"}
-        for key in ("resume", "init_from", "ckpt_path"):  # a path: no number, no flag
-            if not (getattr(self, key) is None or isinstance(getattr(self, key), str)):
-                refuse(key, getattr(self, key), paths.get(key, "null or a checkpoint's path"))
         if self.init_from is not None and self.resume not in (None, "auto"):
             raise UserError(
                 f"resume={self.resume} continues a run, its weights included, and init_from="
@@ -259,14 +252,8 @@ class Settings:
     paths: Start = field(default_factory=Start)  # seed, device, train, the checkpoints: the Config
     validates: bool = True  # data.val_size > 0: a validation split is held out
     config: dict[str, Any] = field(default_factory=dict)  # all of it, resolved: the run's record
-
-    @property
-    def train(self) -> bool:  # train, or only evaluate ckpt_path
-        return self.paths.train
-
-    @property
-    def device(self) -> str:
-        return self.paths.device
+    train: bool = True  # train, or only evaluate ckpt_path (the config's `train`)
+    device: str = "auto"  # the config's `device`
 
     def __post_init__(self) -> None:
         monitor, known = self.checkpoint.monitor, getattr(self.task, "modes", None)
@@ -314,15 +301,11 @@ def checkpoint_mode(monitor: Any, mode: Any, task: Any) -> Any:
     return mode
 
 
-def checkpoint_mode_of(cfg: DictConfig) -> Any:
-    """`checkpoint_mode` of a whole config, the task's `modes` read off its class (not built)."""
-    task = get_class(cfg.task._target_) if cfg.get("task") else None
-    return checkpoint_mode(cfg.checkpoint.monitor, cfg.checkpoint.mode, task)
-
-
-def _direction(*, _root_: DictConfig) -> str:
-    """`${checkpoint_mode:}` in a config (the Optuna sweeper's direction): max or min."""
-    if mode := checkpoint_mode_of(_root_):
+def direction(*, _root_: DictConfig) -> str:
+    """`${checkpoint_mode:}` in a config (the Optuna sweeper's direction): max or min, the
+    `checkpoint_mode` of the whole config, the task's `modes` read off its class (not built)."""
+    task = get_class(_root_.task._target_) if _root_.get("task") else None
+    if mode := checkpoint_mode(_root_.checkpoint.monitor, _root_.checkpoint.mode, task):
         return mode
     raise UserError(
         f"checkpoint.mode is null, and task={_root_.task._target_} does not say whether a higher "
@@ -456,7 +439,7 @@ def cut(name: str) -> str:
     return name if len(name) <= 128 else name[:127] + "…"
 
 
-RESOLVERS = {"checkpoint_mode": _direction, "gpus_per_node": _gpus_per_node}
+RESOLVERS = {"checkpoint_mode": direction, "gpus_per_node": _gpus_per_node}
 RESOLVERS |= {"run_name": run_name, "sweep_group": sweep_group}  # the wandb run's, where Hydra runs
 for name, resolver in RESOLVERS.items():
     if not OmegaConf.has_resolver(name):
