@@ -152,7 +152,12 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
 
     def tracker(run_id: str | None) -> Any:  # not recursive: the config's _target_s are data
         given = {"resolved_config": settings.config, "run_id": run_id, "run_dir": run_dir}
-        given |= tracker_defaults(cfg.logger, settings)
+        # What a tracker's keys left null take from the run: the job's type and the monitor to
+        # summarise by (its name and group are resolved in the config: conf/logger/wandb.yaml).
+        if cfg.logger.get("job_type", "") is None:
+            given["job_type"] = "train" if settings.train else "eval"
+        if (monitor := settings.checkpoint.monitor) and settings.checkpoint.mode and settings.train:
+            given["monitor"] = (monitor, settings.checkpoint.mode)
         return instantiate(cfg.logger, **given, _recursive_=False, _convert_="all")
 
     storage.admit(run_dir)
@@ -168,17 +173,6 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         if run.checkpointer:  # its checkpoints name the wandb run that a resume continues
             run.checkpointer.metadata["wandb_id"] = logger and logger.run_id
         yield logger
-
-
-def tracker_defaults(logger: DictConfig, settings: Settings) -> dict[str, Any]:
-    """What a tracker's keys left null take from the run: the job's type and the monitor to
-    summarise by (its name and group are resolved in the config: conf/logger/wandb.yaml)."""
-    given = {}
-    if logger.get("job_type", "") is None:
-        given["job_type"] = "train" if settings.train else "eval"
-    if (monitor := settings.checkpoint.monitor) and settings.checkpoint.mode and settings.train:
-        given["monitor"] = (monitor, settings.checkpoint.mode)
-    return given
 
 
 def build_run(cfg: DictConfig, settings: Settings, process: Process, run_dir: Path) -> Run:
