@@ -389,13 +389,11 @@ def typed(cls: type, values: dict[str, Any], section: str) -> Any:
     types checked by OmegaConf, ranges by `cls.__post_init__`; a wrong type, a key that is no field
     of `cls` and a value of `cls` written without a type (no field, so no key) are one sentence
     naming the class and its file."""
+    typed_names = {name for c in cls.__mro__ for name in vars(c).get("__annotations__", {})}
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
-            shared = any("ClassVar" in str(vars(k).get("__annotations__", {}).get(name))
-                         for k in cls.__mro__)  # fmt: skip
-            if name.startswith("_") or name in cls.__dataclass_fields__ or shared:
-                continue
-            if not (callable(value) or isinstance(value, property | classmethod | staticmethod)):
+            method = callable(value) or isinstance(value, property | classmethod | staticmethod)
+            if not (method or name.startswith("_") or name in typed_names):  # fields, ClassVars
                 raise UserError(
                     f"{where(c)}: {c.__name__}.{name} = {value!r} has no type, so it is no key "
                     f"of {section}: declare it as a field, `{name}: {type(value).__name__} = "

@@ -10,12 +10,11 @@ import copy
 import dataclasses
 import os
 import sys
-import types
 from argparse import ArgumentError
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 from hydra._internal.utils import get_args_parser
@@ -380,13 +379,10 @@ def _takes(schema: type, name: str) -> str | None:
     if hint is Any or dataclasses.is_dataclass(hint):
         return None
     declared = next(f.metadata for f in dataclasses.fields(schema) if f.name == name)
-    options = [a for a in get_args(hint) if a is not type(None)]
-    nullable = get_origin(hint) in (Union, types.UnionType) and len(options) < len(get_args(hint))
-    kind = options[0] if nullable and len(options) == 1 else hint
-    null, said = (
-        declared.get("null said", "null or " if nullable else ""),
-        declared.get("range", ""),
-    )
+    nullable = type(None) in get_args(hint)  # `int | None`
+    kind = next(a for a in get_args(hint) if a is not type(None)) if nullable else hint
+    null = declared.get("null said", "null or " if nullable else "")
+    said = declared.get("range", "")
     if said.startswith(("a ", "an ")) or said and kind is str:  # says its type; its choices
         return null + said
     if get_origin(kind) is list:
