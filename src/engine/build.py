@@ -85,15 +85,9 @@ def read_settings(cfg: DictConfig) -> Settings:
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
     if logger.get("log_checkpoints"):
         check_logged_checkpoints(logger, checkpointing, sections.train)
-    task = instantiated("task", cfg.task)
-    if missing := [name for name in CONTRACT if not callable(getattr(task, name, None))]:
-        raise UserError(
-            f"task={cfg.task.get('_target_')} has no {', '.join(missing)}: a task needs count, "
-            "loss, sums and metrics (see src/tasks.py)."
-        )
-    strategy, validates = build_strategy(cfg.parallel), sections.data.val_size > 0
-    return Settings(trainer, checkpointing, task, strategy, sections, validates, resolved,
-                    sections.train, sections.device)  # fmt: skip
+    task, strategy = build_task(cfg), build_strategy(cfg.parallel)
+    return Settings(trainer, checkpointing, task, strategy, sections, sections.data.val_size > 0,
+                    resolved, sections.train, sections.device)  # fmt: skip
 
 
 def unfilled(full_key: str, key: str, has: str) -> UserError:
@@ -119,6 +113,17 @@ def check_logged_checkpoints(logger: dict[str, Any], saved: Checkpointing, train
         f"logger.log_checkpoints=true logs the run's best.pt and last.pt, {why} "
         "logger.log_checkpoints=false."
     )
+
+
+def build_task(cfg: DictConfig) -> Any:
+    """The task `cfg.task` names, checked to have the contract's methods."""
+    task = instantiated("task", cfg.task)
+    if missing := [name for name in CONTRACT if not callable(getattr(task, name, None))]:
+        raise UserError(
+            f"task={cfg.task.get('_target_')} has no {', '.join(missing)}: a task needs count, "
+            "loss, sums and metrics (see src/tasks.py)."
+        )
+    return task
 
 
 def build_strategy(node: Any) -> Strategy:
