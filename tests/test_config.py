@@ -442,6 +442,7 @@ def test_a_value_of_the_wrong_type_is_one_sentence_naming_the_type(args, message
         "optimizer.lr=abc model.hidden=abc data.root=5",  # a class's own keys: its own check
         "+trainer.epoch=abc ~trainer.max_steps",  # an unknown key: its own sentence
         "parallel=none parallel.timeout=abc",  # no key of that mode: its own sentence
+        "callbacks=[ema,watch] callbacks.watch.every=abc",  # a list's choice, then its class's key
         "trainer.epochs=[1",  # Hydra's parser tells what it cannot read
     ],
 )

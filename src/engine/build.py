@@ -270,9 +270,8 @@ def build_parts(
     decay = cfg.optimizer.get("weight_decay") or 0.0  # what a model's own groups are given
     groups = param_groups(unwrap(model), trainer.weight_decay_on, decay)
     steps = data.steps_per_epoch * trainer.epochs
-    optimizer, schedule = build_optimizer(
-        cfg, groups, min(steps, trainer.max_steps or steps), data.steps_per_epoch
-    )
+    steps = min(steps, trainer.max_steps or steps)
+    optimizer, schedule = build_optimizer(cfg, groups, steps, data.steps_per_epoch)
     # float16 gradients underflow without loss scaling; for other precisions it is off.
     scaler = strategy.scaler(process.device, enabled=trainer.precision == "16")
     policy = run.settings.checkpoint

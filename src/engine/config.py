@@ -25,7 +25,6 @@ from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValidationError
-from omegaconf.errors import OmegaConfBaseException
 
 from src.engine import parallel
 from src.engine.errors import Checked, UserError, above, checked, least, not_allowed, one_of, refuse
@@ -338,13 +337,12 @@ def check_command_line(args: list[str]) -> str | None:
     modes = {cls.name: cls for cls in parallel.strategies()}
     chosen = [modes[o.value()] for o in overrides if o.key_or_group == "parallel"
               and not o.is_sweep_override() and str(o.value()) in modes]  # fmt: skip
-    config = copy.deepcopy(SCHEMA)
     for override in overrides:
         # None merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample.
         skip = override.is_delete() or override.is_add() or override.package
         if skip or override.is_interval_sweep():
             continue
-        key, nodes = override.key_or_group, [config]
+        key, nodes = override.key_or_group, [copy.deepcopy(SCHEMA)]
         if key.startswith("parallel."):  # the chosen mode's keys, else those of any mode
             nodes = [OmegaConf.structured(cls) for cls in chosen[-1:] or modes.values()]
         values = [(override.input_line.split("=", 1)[1], override.value())]
@@ -359,7 +357,7 @@ def check_command_line(args: list[str]) -> str | None:
                     fits = True
                 except ValidationError as err:
                     said = said or _takes(err.object_type, err.key)
-                except OmegaConfBaseException:  # no key of its: not typed there
+                except Exception:  # noqa: BLE001 - no key of its (a group's, a list's): not typed there
                     pass
             if said and not fits:
                 return not_allowed(key, shown, said)
