@@ -183,21 +183,6 @@ class Start(Checked):
     # With train=false: the checkpoint (or state_dict) to evaluate.
     ckpt_path: Any = checked(lambda v: isinstance(v, str), None, "a checkpoint's path", True)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.init_from is not None and self.resume not in (None, "auto"):
-            raise UserError(
-                f"resume={self.resume} continues a run, its weights included, and init_from="
-                f"{self.init_from} starts a new one from a file's weights: give one of them."
-            )
-        if not self.train and self.ckpt_path is None:
-            raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
-        if self.train and self.ckpt_path is not None:
-            raise UserError(
-                "ckpt_path is the checkpoint to evaluate with train=false. To continue training "
-                "from it use resume=PATH; to start from its weights, init_from=PATH."
-            )
-
 
 @dataclass
 class Config(Start):
@@ -254,6 +239,19 @@ class Settings:
     device: str = "auto"  # the config's `device`
 
     def __post_init__(self) -> None:
+        paths = self.paths  # where training starts from, or what it evaluates
+        if paths.init_from is not None and paths.resume not in (None, "auto"):
+            raise UserError(
+                f"resume={paths.resume} continues a run, its weights included, and init_from="
+                f"{paths.init_from} starts a new one from a file's weights: give one of them."
+            )
+        if not self.train and paths.ckpt_path is None:
+            raise UserError("train=false evaluates a checkpoint: add ckpt_path=PATH.")
+        if self.train and paths.ckpt_path is not None:
+            raise UserError(
+                "ckpt_path is the checkpoint to evaluate with train=false. To continue training "
+                "from it use resume=PATH; to start from its weights, init_from=PATH."
+            )
         monitor, known = self.checkpoint.monitor, getattr(self.task, "modes", None)
         self.checkpoint.mode = checkpoint_mode(monitor, self.checkpoint.mode, self.task)
         if known and monitor.removeprefix("val/") not in known:
