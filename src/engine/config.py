@@ -371,7 +371,8 @@ def _takes(schema: type, name: str) -> str | None:
     """What the field `name` of the dataclass `schema` takes, in words: null first where it may be
     null, then its type and the range it was declared with (`least`, `between`...), or its choices
     (`one_of`); None where it takes any value, or is a section (a group's choice)."""
-    hint = get_type_hints(schema).get(name)  # annotations are strings here: evaluated
+    # Annotations are strings here: evaluated. A list's item has no dataclass: any value.
+    hint = get_type_hints(schema).get(name) if dataclasses.is_dataclass(schema) else Any
     if hint is Any or dataclasses.is_dataclass(hint):
         return None
     declared = next(f.metadata for f in dataclasses.fields(schema) if f.name == name)
