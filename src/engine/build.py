@@ -319,8 +319,8 @@ def build_optimizer(
     every_step = spec.pop("interval", None) == "step"
     if "total_steps" in spec and spec["total_steps"] is None:
         spec["total_steps"] = total_steps
-    stand_in = [torch.zeros(1, requires_grad=True)]
-    stand_in = instantiated("optimizer", cfg.optimizer, stand_in, values=True)
+    parameter = [torch.zeros(1, requires_grad=True)]
+    stand_in = instantiated("optimizer", cfg.optimizer, parameter, values=True)
     planned = instantiated("scheduler", spec, stand_in, values=True)
     plan = total_steps if every_step else -(-total_steps // steps_per_epoch)  # its epochs
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
