@@ -79,9 +79,16 @@ def above(low: float, default: Any, nullable: bool | str = False, said: str | No
     return checked(lambda v: v > low, default, said or f"a number above {low}", nullable)
 
 
-def between(low: float, high: float, default: Any, *, low_open: bool = False,
-            high_open: bool = True, nullable: bool | str = False,
-            said: str | None = None) -> Any:  # fmt: skip
+def between(
+    low: float,
+    high: float,
+    default: Any,
+    *,
+    low_open: bool = False,
+    high_open: bool = True,
+    nullable: bool | str = False,
+    said: str | None = None,
+) -> Any:
     """A field from `low` up to below `high`, as `range` counts ("0 up to below 1"); `low_open`
     leaves `low` out ("above 0"), `high_open=False` takes `high` in ("0 to 1")."""
     over, under = (gt if low_open else ge), (lt if high_open else le)
