@@ -335,12 +335,14 @@ def check_command_line(args: list[str]) -> str | None:
     modes = {cls.name: cls for cls in parallel.strategies()}
     chosen = [modes[o.value()] for o in overrides if o.key_or_group == "parallel"
               and not o.is_sweep_override() and str(o.value()) in modes]  # fmt: skip
+    config = copy.deepcopy(SCHEMA)  # what the command line has set so far, as Hydra merges it
     for override in overrides:
-        # None merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample.
+        # None merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample,
+        # a key outside the schema (hydra.*).
+        key, nodes = override.key_or_group, [config]
         skip = override.is_delete() or override.is_add() or override.package
-        if skip or override.is_interval_sweep():
+        if skip or override.is_interval_sweep() or key.split(".")[0] not in config:
             continue
-        key, nodes = override.key_or_group, [copy.deepcopy(SCHEMA)]
         if key.startswith("parallel."):  # the chosen mode's keys, else those of any mode
             nodes = [OmegaConf.structured(cls) for cls in chosen[-1:] or modes.values()]
         values = [(override.input_line.split("=", 1)[1], override.value())]
