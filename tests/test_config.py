@@ -98,6 +98,14 @@ def test_a_setting_of_any_type_is_checked_and_one_without_a_type_is_named():
     with pytest.raises(UserError, match=untyped + "declare it as a field, `width: int = 3`.$"):
         typed(Untyped, {}, "trainer")
 
+    class Undecorated(Mine):  # its annotation makes no field without @dataclass
+        width: int = 3
+
+    with pytest.raises(
+        UserError, match=r"^tests/test_config.py: Undecorated.width = 3 has no type"
+    ):
+        typed(Undecorated, {}, "trainer")
+
     @dataclass
     class Shared(Mine):
         kind: ClassVar[str] = "mine"  # the class's, not a key
@@ -444,6 +452,8 @@ def test_a_value_of_the_wrong_type_is_one_sentence_naming_the_type(args, message
         "parallel=none parallel.timeout=abc",  # no key of that mode: its own sentence
         "callbacks=[ema,watch] callbacks.watch.every=abc",  # a list's choice, then its class's key
         "trainer.epochs=[1",  # Hydra's parser tells what it cannot read
+        "trainer={epochs:abc}",  # a key inside a section's dict: Hydra's error names it
+        "trainer.epochs.foo=1",  # a key under a number: Hydra's
     ],
 )
 def test_values_of_their_type_or_keys_the_schema_does_not_type_pass_the_check(args):

@@ -86,8 +86,9 @@ def read_settings(cfg: DictConfig) -> Settings:
     if logger.get("log_checkpoints"):
         check_logged_checkpoints(logger, checkpointing, sections.train)
     task, strategy = build_task(cfg), build_strategy(cfg.parallel)
-    return Settings(trainer, checkpointing, task, strategy, sections, sections.data.val_size > 0,
-                    resolved, sections.train, sections.device)  # fmt: skip
+    validates = sections.data.val_size > 0
+    return Settings(trainer, checkpointing, task, strategy, sections, validates, resolved,
+                    train=sections.train, device=sections.device)  # fmt: skip
 
 
 def unfilled(full_key: str, key: str, has: str) -> UserError:
@@ -393,7 +394,10 @@ def typed(cls: type, values: dict[str, Any], section: str) -> Any:
     types checked by OmegaConf, ranges by `cls.__post_init__`; a wrong type, a key that is no field
     of `cls` and a value of `cls` written without a type (no field, so no key) are one sentence
     naming the class and its file."""
-    typed_names = {name for c in cls.__mro__ for name in vars(c).get("__annotations__", {})}
+    annotated = [item for c in cls.__mro__ for item in vars(c).get("__annotations__", {}).items()]
+    # Its fields (a class without @dataclass of its own has none of its annotations), its ClassVars
+    typed_names = {name for name, hint in annotated if "ClassVar" in str(hint)}
+    typed_names |= set(cls.__dataclass_fields__)
     for c in cls.__mro__[:-1]:  # `rate = 0.1` in a dataclass is no field: no key of the config
         for name, value in vars(c).items():
             method = callable(value) or isinstance(value, property | classmethod | staticmethod)

@@ -337,7 +337,7 @@ def check_command_line(args: list[str]) -> str | None:
               and not o.is_sweep_override() and str(o.value()) in modes]  # fmt: skip
     config = copy.deepcopy(SCHEMA)  # what the command line has set so far, as Hydra merges it
     for override in overrides:
-        # None merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample,
+        # Not merged into the schema's types: `~key`, `+key`, `key@package`, an interval to sample,
         # a key outside the schema (hydra.*).
         key, nodes = override.key_or_group, [config]
         skip = override.is_delete() or override.is_add() or override.package
@@ -355,8 +355,9 @@ def check_command_line(args: list[str]) -> str | None:
                 try:
                     OmegaConf.update(node, key.removeprefix("parallel."), value, merge=True)
                     fits = True
-                except ValidationError as err:
-                    said = said or _takes(err.object_type, err.key)
+                except ValidationError as err:  # its own key's, not one inside a dict it sets
+                    if str(err.key) == key.rpartition(".")[2]:
+                        said = said or _takes(err.object_type, err.key)
                 except Exception:  # noqa: BLE001 - no key of its (a group's, a list's): not typed there
                     pass
             if said and not fits:
