@@ -80,6 +80,7 @@ def read_settings(cfg: DictConfig) -> Settings:
     checkpointing = typed(Checkpointing, resolved["checkpoint"], "checkpoint")
     # OmegaConf.to_object, but a `???` of a class's own keys left for the class to tell.
     sections = OmegaConf.to_container(values, structured_config_mode=SCMode.INSTANTIATE)
+    sections.trainer, sections.checkpoint = trainer, checkpointing  # one of each, the checked
     logger = resolved["logger"] or {}
     if (mode := logger.get("mode")) not in (None, *WANDB_MODES):
         refuse("logger.mode", mode, f"{', '.join(WANDB_MODES)} or null ($WANDB_MODE, else online)")
@@ -173,7 +174,7 @@ def logged(cfg: DictConfig, run: Run, resumed: tuple | None) -> Iterator[Metrics
         if process.is_main:
             log.info("Config:\n%s", text)
         write = functools.partial(storage.write_atomically, path, lambda f: f.write(text.encode()))
-        if unwritten := storage.agree(process, process.is_main and storage.attempt(write)):
+        if unwritten := storage.on_main(process, write):
             at = resumed and (resumed[0], resumed[1]["progress"]["step"])  # its checkpoint, step
             raise storage.stopped(unwritten, run_dir, None, at)
         if run.checkpointer:  # its checkpoints name the wandb run that a resume continues

@@ -350,8 +350,7 @@ class Checkpointer:
 
     def _on_main(self, write: Any, step: int, path: Path | None = None) -> None:
         """`write` on the main process; every rank stops where the storage refused it."""
-        fault = self.process.is_main and storage.attempt(write, path)
-        if fault := storage.agree(self.process, fault):
+        if fault := storage.on_main(self.process, write, path):
             raise self.stopped(fault, step)
 
     def _save_shards(self, path: Path, step: int) -> Path:

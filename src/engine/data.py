@@ -294,8 +294,8 @@ class Data(DataKeys):
                     f"The training images of {self.name} are all one colour (std {std}): "
                     "nothing to learn from. Check data.root."
                 )
-            given = ((mean, self.mean), (std, self.std))  # either may have been given
-            mean, std = (found if value is None else value for found, value in given)
+            mean = mean if self.mean is None else self.mean  # either may have been given
+            std = std if self.std is None else self.std
         # One value for every channel, as torchvision's Normalize takes it, or one per channel.
         mean, std = (
             [v] * self.in_channels if isinstance(v, int | float) else list(v) for v in (mean, std)

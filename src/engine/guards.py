@@ -113,9 +113,10 @@ def preflight(model: torch.nn.Module, data: Any, task: Task, name: str | None) -
     """Before any training, on two training samples: the model takes the data's samples, and
     the task takes the model's outputs and the data's targets. One sentence where either does
     not, on every rank at once (each checks the same samples), before anything is written."""
-    if empty := [(n, tuple(p.shape)) for n, p in model.named_parameters() if not p.numel()]:
+    if empty := {n: tuple(p.shape) for n, p in model.named_parameters() if not p.numel()}:
+        first = next(iter(empty))
         raise UserError(
-            f"model={name} has a layer of size 0 ({empty[0][0]}: {empty[0][1]}), which learns "
+            f"model={name} has a layer of size 0 ({first}: {empty[first]}), which learns "
             "nothing: give its size key (hidden, code, ...) a value of 1 or more.",
             every_rank=True,
         )

@@ -120,9 +120,13 @@ def attempt(write: Callable[[], Any], path: Path | None = None) -> Fault | None:
     return None
 
 
+def on_main(process: Process, write: Callable[[], Any], path: Path | None = None) -> Fault | None:
+    """`write` on the main process; what the storage refused of it, on every rank (a barrier)."""
+    return agree(process, attempt(write, path) if process.is_main else None)
+
+
 def agree(process: Process, fault: Any) -> Any:
-    """The first rank's fault (or message), on every rank, so all stop together (a barrier): a
-    write on the main process alone is `agree(process, process.is_main and attempt(write))`."""
+    """The first rank's fault (or message), on every rank, so all stop together (a barrier)."""
     return next((f for f in process.all_gather_object(fault) if f), None)
 
 

@@ -180,7 +180,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
         )
     if int(os.environ.get("RANK", 0)) > 0:
         args += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
-    elif under_torchrun() and (anchor := restart_anchor()) and anchor.is_file():
+    elif (anchor := restart_anchor()) and anchor.is_file():
         # a torchrun restart: rank 0 takes up the first attempt's folder (resume=auto finds last.pt)
         args.append(f"hydra.run.dir='{anchor.read_text()}'")
     return args
@@ -251,7 +251,7 @@ def attempt_store(rank: int, timeout: timedelta) -> dist.Store:
 def shared_run_dir(process: Any, run_dir: Path | None = None) -> Path:
     """Rank 0's run folder (the one Hydra made, unless given), which every rank uses."""
     run_dir = str(run_dir or HydraConfig.get().runtime.output_dir)
-    if process.is_main and under_torchrun() and (anchor := restart_anchor()):
+    if process.is_main and (anchor := restart_anchor()):
         anchor.write_text(run_dir)
     return Path(process.broadcast_object(run_dir))
 

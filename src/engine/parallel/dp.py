@@ -18,7 +18,10 @@ class DP(Strategy):
     name: ClassVar[str] = "dp"
     device_ids: list[int] | None = None  # GPUs to split each batch over; null = all visible GPUs
     output_device: int | None = None  # GPU that gathers the outputs: null = the first of device_ids
-    ids: ClassVar[list[int]] = []  # the GPUs setup found (setup sets its own); none: one device
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ids: list[int] = []  # the GPUs setup found; none: one device
 
     def setup(self, device: str, trainer: Any) -> Process:
         """The GPUs to split over, the data on the first; one device where there is no GPU."""

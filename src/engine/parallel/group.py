@@ -114,8 +114,6 @@ class GroupStrategy(Strategy):
                 f"parallel.nproc_per_node={self.nproc_per_node} is not used: the launcher started "
                 f"{here} processes on this machine (torchrun --nproc_per_node sets their number)."
             )
-        log.info(
-            "%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads",
-            *(mode.upper(), world, backend, rank, device, torch.get_num_threads()),
-        )
+        shown = (mode.upper(), world, backend, rank, device, torch.get_num_threads())
+        log.info("%s: %d processes, backend %s, this is rank %d on %s with %d CPU threads", *shown)
         return process
